@@ -1,0 +1,125 @@
+"""`iquestrt …` commands. Wrong arguments print one line `iquestrt: error: …` and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of argparse's usage dump
+        sys.stderr.write(f"iquestrt: error: {message} (see --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _build() -> argparse.ArgumentParser:
+    p = _Parser(prog="iquestrt", description="IQuestRT: IQuest-Q1 decode runtime and tools.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    mk = sub.add_parser(
+        "make-checkpoint",
+        help="write a deterministic synthetic checkpoint",
+        description="Write a synthetic IQuest-Q1 checkpoint (HF layout, safetensors, mtp/ draft) "
+        "whose weights keep activations healthy through every layer.",
+    )
+    mk.add_argument("--preset", required=True, help="architecture preset: tiny | iquest-q1")
+    mk.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    mk.add_argument("--out", type=Path, required=True, help="output directory (created)")
+    mk.add_argument(
+        "--format",
+        choices=("fp8", "bf16"),
+        default="fp8",
+        help="fp8: E4M3 block weights with 128x128 inverse scales (default); bf16: BF16 weights",
+    )
+
+    cv = sub.add_parser(
+        "convert",
+        help="convert a BF16 checkpoint to E4M3 128x128 block FP8",
+        description="Read a BF16 checkpoint and write it as E4M3 with FP32 128x128 inverse "
+        "block scales (routers, norms, sink keys, embeddings and eh_proj stay unquantized).",
+    )
+    cv.add_argument("--checkpoint", type=Path, required=True, help="BF16 checkpoint directory")
+    cv.add_argument("--out", type=Path, required=True, help="output directory")
+    cv.add_argument("--quantize", action="store_true", required=True, help="quantize to E4M3")
+
+    g = sub.add_parser(
+        "generate",
+        help="generate tokens from a checkpoint",
+        description="Generate with speculative decoding (recursive MTP draft, rejection "
+        "sampling). Prints the new tokens and, per round, drafted/accepted counts.",
+    )
+    g.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt-ids", type=_int_list, help="prompt token ids, e.g. 1,2,3")
+    src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
+    g.add_argument("--max-new-tokens", type=int, required=True, help="token budget (>= 1)")
+    g.add_argument("--seed", type=int, default=0, help="request seed for the counter RNG")
+    g.add_argument("--temperature", type=float, help="0 = greedy (default: model's)")
+    g.add_argument("--top-k", type=int, help="0 = off (default: model's)")
+    g.add_argument("--top-p", type=float, help="1.0 = off (default: model's)")
+    g.add_argument("--stop-ids", type=_int_list, default=[], help="stop token ids, e.g. 0,2")
+    g.add_argument(
+        "--backend", choices=("reference",), default="reference", help="decode implementation"
+    )
+    g.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="bf16",
+        help="reference precision mode (default bf16)",
+    )
+    g.add_argument(
+        "--draft-depth", type=int, default=3, help="fixed MTP draft depth, 0 = no speculation"
+    )
+    g.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def _cmd_make_checkpoint(a) -> int:
+    from reference.checkpoint import make_synthetic_checkpoint
+
+    cfg = make_synthetic_checkpoint(a.out, a.preset, a.seed, fmt=a.format)
+    print(f"wrote {cfg.name} checkpoint ({a.format}, seed {a.seed}) to {a.out}")
+    return 0
+
+
+def _cmd_convert(a) -> int:
+    from reference.checkpoint import quantize_checkpoint
+
+    quantize_checkpoint(a.checkpoint, a.out)
+    print(f"wrote E4M3 128x128 checkpoint to {a.out}")
+    return 0
+
+
+def _cmd_generate(a) -> int:
+    from iquestrt.run import generate_from_args
+
+    return generate_from_args(a)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _build().parse_args(argv)
+    handlers = {
+        "make-checkpoint": _cmd_make_checkpoint,
+        "convert": _cmd_convert,
+        "generate": _cmd_generate,
+    }
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError) as e:  # includes ConfigError and CheckpointError
+        sys.stderr.write(f"iquestrt: error: {e}\n")
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -1,0 +1,47 @@
+"""Sessions: `nox -s tests` (CPU CI), `lint`, `qualify`, `negative_controls`.
+
+torch is installed first, pinned by IQUESTRT_TORCH (default "torch==2.13.0", the CPU build
+cached on the CI machines) so that resolving `.[test]` never downloads a multi-GB CUDA build;
+set IQUESTRT_TORCH to another requirement (e.g. "torch==2.14.1") to choose another build, or to
+"" to let pip pick. triton is pinned to the GPU machine's version.
+"""
+
+import os
+
+import nox
+
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests", "lint"]
+
+TRITON = "triton==3.6.0"
+
+
+def _install(session: nox.Session) -> None:
+    torch = os.environ.get("IQUESTRT_TORCH", "torch==2.13.0")
+    session.install(*([torch] if torch else []), TRITON)
+    session.install("-e", ".[test]", TRITON, *([torch] if torch else []))
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    _install(session)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", *(session.posargs or ["."]))
+
+
+@nox.session
+def qualify(session: nox.Session) -> None:
+    _install(session)
+    session.run("python", "-m", "qualification.qualify", *session.posargs)
+
+
+@nox.session
+def negative_controls(session: nox.Session) -> None:
+    _install(session)
+    session.run("python", "-m", "negative_controls.run", *session.posargs)

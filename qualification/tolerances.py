@@ -1,0 +1,322 @@
+"""The one tolerance table: per op and dtype, each row with its source and the deliberately
+broken variant that exceeds it. Exact rows (atol = rtol = 0) compare with torch.equal.
+
+Error metrics (computed in float64 by `check`):
+  max_rel = max|a − b| / max(max|b|, tiny)   — worst element relative to the tensor's scale
+  rms_rel = rms(a − b) / rms(b)
+A tolerance passes when max_rel ≤ max_rel_tol and rms_rel ≤ rms_rel_tol.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    op: str
+    dtype: str
+    max_rel: float  # 0 with rms_rel 0 means bit-exact
+    rms_rel: float
+    source: str  # why this number
+    broken_variant: str  # the mutant that must exceed it (name in negative_controls/ or tests)
+
+    @property
+    def exact(self) -> bool:
+        return self.max_rel == 0.0 and self.rms_rel == 0.0
+
+
+@dataclass(frozen=True)
+class Margin:
+    max_rel: float
+    rms_rel: float
+    worst_index: tuple[int, ...]
+    tol: Tolerance
+
+    @property
+    def ok(self) -> bool:
+        if self.tol.exact:
+            return self.max_rel == 0.0
+        return self.max_rel <= self.tol.max_rel and self.rms_rel <= self.tol.rms_rel
+
+    def __str__(self) -> str:
+        used = (
+            "exact" if self.tol.exact else
+            f"{max(self.max_rel / self.tol.max_rel, self.rms_rel / self.tol.rms_rel):.1%} of band"
+        )
+        return (
+            f"{self.tol.op}[{self.tol.dtype}]: max_rel={self.max_rel:.3e} "
+            f"rms_rel={self.rms_rel:.3e} worst at {self.worst_index} ({used})"
+        )
+
+
+_ROWS: tuple[Tolerance, ...] = (
+    # --- reference model self-consistency -------------------------------------------------
+    Tolerance(
+        "reference.verify_vs_decode", "fp32", 1e-5, 5e-6,
+        "FP32 GEMMs of different row counts differ only in accumulation order: ~K·eps_fp32 "
+        "relative at K ≤ 384 for the tiny preset; measured on tiny (synthetic q/k-norm gain "
+        "1.5), 6 seeds x 24 (prefix, R) pairs: worst 2.5e-6 max / 1.6e-6 rms",
+        "a verify row that sees one key too many (window + 1)",
+    ),
+    Tolerance(
+        "reference.verify_vs_decode", "bf16", 8e-2, 4e-2,
+        "BF16 mode rounds ~10 values per layer to BF16 (u = 2^-8); FP32 GEMMs of different row "
+        "counts flip single roundings, which the residual stream and near-tie routing carry "
+        "forward. Measured on tiny, 6 seeds x 24 (prefix, R) pairs: worst 5.0e-2 max / "
+        "2.4e-2 rms; band ≈ 1.6x the worst",
+        "a verify row that sees one key too many (window + 1): ≥ 0.13 max / ≥ 0.15 rms on tiny",
+    ),
+    Tolerance(
+        "reference.cache_vs_recompute", "fp32", 1e-5, 5e-6,
+        "same mechanism and band as reference.verify_vs_decode[fp32]: prefill+decode vs one "
+        "no-cache pass differ only in GEMM row counts; measured worst 2.2e-6 max / 1.3e-6 rms",
+        "decode rows that see one key too many (window + 1)",
+    ),
+    Tolerance(
+        "reference.cache_vs_recompute", "bf16", 8e-2, 4e-2,
+        "same mechanism and band as reference.verify_vs_decode[bf16]",
+        "decode rows that see one key too many (window + 1)",
+    ),
+    # --- reference ops vs float64/mpmath oracles (tests/oracles.py) --------------------------
+    # fp32 rows: a few FP32 roundings per output (u32 = 2^-24), measured ≤ 5e-7 everywhere;
+    # bf16 rows: inputs already on the BF16 grid, so the final rounding (u = 2^-8) dominates.
+    Tolerance(
+        "ref.rms_norm", "fp32", 1e-6, 5e-7,
+        "FP32 mean of D ≤ 3072 squares, rsqrt, two products: ≲ 16·u32; measured 1.2e-7",
+        "eps outside the sqrt (x/(rms+eps)) at rms(x) ≈ sqrt(eps); weight used as 1 + w",
+    ),
+    Tolerance(
+        "ref.rms_norm", "bf16", 4e-3, 4e-3,
+        "one final BF16 rounding: each element within u = 2^-8 of itself; measured 2.3e-3",
+        "weight used as 1 + w",
+    ),
+    Tolerance(
+        "ref.rope", "fp32", 1e-6, 5e-7,
+        "angles in FP64, cos/sin rounded to FP32, two products and a sum: ≲ 8·u32 vs mpmath at "
+        "positions up to 524287; measured 5e-8",
+        "angles computed in FP32 (≈3e-2 at position 524287); GPT-J interleaved pairs; "
+        "inv_freq over head_dim",
+    ),
+    Tolerance(
+        "ref.rope", "bf16", 4e-3, 4e-3,
+        "one final BF16 rounding (u = 2^-8); measured 2.2e-3",
+        "GPT-J interleaved pairs",
+    ),
+    Tolerance(
+        "ref.rope_passthrough", "any", 0.0, 0.0,
+        "dims ≥ rotary_dim are copied, never rotated",
+        "rotating all head dims",
+    ),
+    Tolerance(
+        "ref.attention", "fp32", 2e-6, 1e-6,
+        "FP32 dot products over D, exp/logsumexp over ≤ 64 keys, sigmoid sink factor: ≲ 32·u32; "
+        "measured 2e-7",
+        "sink dropped; sink key of group g+1; GQA heads tiled (h % Hkv); window ±1 with "
+        "sentinel keys",
+    ),
+    Tolerance(
+        "ref.attention", "bf16", 4e-3, 4e-3,
+        "BF16 q/k/v, FP32 math, one final BF16 rounding (u = 2^-8); measured 1.8e-3",
+        "sink dropped",
+    ),
+    Tolerance(
+        "ref.route", "fp32", 2e-6, 1e-6,
+        "FP32 router GEMM over H ≤ 128, softmax, renormalization: ≲ 32·u32; measured 4.7e-7",
+        "weights not renormalized after top-k",
+    ),
+    Tolerance(
+        "ref.route_ids", "int64", 0.0, 0.0,
+        "expert indices are exact: order (probability desc, index asc)",
+        "ties broken by higher index",
+    ),
+    Tolerance(
+        "ref.swiglu", "fp32", 4e-6, 2e-6,
+        "three FP32 GEMMs (K ≤ 256) rounded to FP32 after each projection; measured 5e-7",
+        "gate and up halves swapped",
+    ),
+    Tolerance(
+        "ref.swiglu", "bf16", 1.6e-2, 8e-3,
+        "BF16 roundings of gate, up, activation and output (4u max, 2u rms with u = 2^-8); "
+        "measured 5.5e-3 / 3.7e-3",
+        "gate and up halves swapped",
+    ),
+    Tolerance(
+        "ref.moe", "fp32", 4e-6, 2e-6,
+        "as ref.swiglu[fp32] plus an FP32 weighted sum over K slots; measured 3.5e-7",
+        "one expert's contribution dropped; expert rows misassigned",
+    ),
+    Tolerance(
+        "ref.moe", "bf16", 1.6e-2, 8e-3,
+        "as ref.swiglu[bf16]; FP32 weights and slot sum, one final rounding; measured 4.4e-3",
+        "one expert's contribution dropped",
+    ),
+    Tolerance(
+        "ref.dequant_block", "fp32", 0.0, 0.0,
+        "E4M3 (4 significant bits) × FP32 scale is exact in FP64; one RNE rounding to FP32 "
+        "equals the FP64 product rounded",
+        "scale grid shifted by one block",
+    ),
+    Tolerance(
+        "ref.dequant_act", "fp32", 0.0, 0.0,
+        "as ref.dequant_block, per row and 128 columns",
+        "scale groups shifted by one",
+    ),
+    Tolerance(
+        "ref.quantize_block", "e4m3", 0.0, 0.0,
+        "data on the E4M3 grid times a power of two per block round-trips losslessly; "
+        "scales equal FP32(amax/448); codes are RNE of w/scale",
+        "power-of-two scale rounding forced on off-grid data (block max no longer 448)",
+    ),
+    Tolerance(
+        "ref.quantize_act", "e4m3", 0.0, 0.0,
+        "as ref.quantize_block, per row and 128 columns",
+        "amax taken over the whole row",
+    ),
+    # --- reference sampling / rejection (reference/sampling.py, reference/rejection.py) ------
+    # e = 2^-24 (fp32 unit roundoff); n = kept tokens <= V <= 16 in the tests that use these.
+    Tolerance(
+        "reference.served_distribution", "fp32", 4e-6, 4e-6,
+        "vs a float64 oracle of the same semantics: z = x/T (1 rounding, amplified by |z| <= 16 "
+        "in exp: 16e), exp (<= 2e), two sequential sums of n terms (2ne) and two divisions (2e): "
+        "(2*16 + 2*16 + 6)e ~= 4.2e-6 relative per element, cases chosen away from ties",
+        "top-k/top-p order swapped, or no renormalization after top-k (O(0.1) in the tests)",
+    ),
+    Tolerance(
+        "reference.residual_distribution", "fp32", 1.5e-6, 1.5e-6,
+        "vs the exact rational norm(max(p - q, 0)) of the same fp32 p, q: one subtraction (e), "
+        "a sequential sum of <= 16 terms (15e), one division (e): 17e ~= 1.0e-6 relative",
+        "residual not renormalized (tests/test_rejection.py mutant)",
+    ),
+    Tolerance(
+        "reference.emitted_token_law", "fp32", 3e-4, 3e-4,
+        "the implementation's exact law on the 2^-24 uniform grid vs the ideal target law "
+        "p/sum(p): grid and fl(u*Z) boundary shifts, sequential-sum roundings and sum(p) != 1 "
+        "give <= (n^2 + 16n + 32)e absolute per token, ~2.2e-5 at n = 12, relative to "
+        "max p >= 1/n: 2.6e-4. Typical measured error is ~1e-7",
+        "exact-match acceptance, replacement from p (tests/test_rejection.py), >= 1e-2",
+    ),
+    # --- kernels (issue 3) ------------------------------------------------------------------
+    # kernels/fp8 rows
+    Tolerance(
+        "kernels.fp8.quantize_act", "e4m3", 0.0, 0.0,
+        "same IEEE operations as reference.ops.quantize_act (amax, div_rn by 448, div_rn of x, "
+        "clamp ±448, E4M3 round-to-nearest-even snapped by hand), so codes and scales are "
+        "bit-identical",
+        "multiply by the reciprocal 448/amax; round-half-away E4M3 cast (the Triton interpreter's "
+        "own fp32→E4M3 cast) — tests/kernels/test_fp8.py",
+    ),
+    Tolerance(
+        "kernels.fp8.dequant_block", "fp32", 0.0, 0.0,
+        "one fp32 multiply per element, as reference.ops.dequant_block",
+        "partial edge block reading its neighbour's scale — tests/kernels/test_fp8.py",
+    ),
+    # kernels/moe rows
+    Tolerance(
+        "kernels.moe.gate_up", "fp32", 1e-5, 1e-6,
+        "stage 1 (SiLU(gate)·up per slot) vs moe_gate_up_fp8_ref: FP32 accumulation order over "
+        "H ≤ 3072 (24 scale blocks) plus ulp-level exp in SiLU, ~1e-7 measured; 1e-5 stays 100× "
+        "below a BF16 round trip of the intermediate (2^-9)",
+        "intermediate stored as BF16; gate/up halves swapped; one expert's scale block shifted by "
+        "one — tests/kernels/test_moe.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.moe.down", "fp32", 1e-5, 1e-6,
+        "stage 2 (requant, down GEMM, k-ordered weighted sum) vs moe_down_fp8_ref on the same "
+        "FP32 intermediate: the requant is bit-exact, so only FP32 accumulation order over I ≤ 192 "
+        "and K ≤ 8 (plus FMA contraction on the GPU) remains",
+        "power-of-two requant scales; BF16 intermediate; dropped top-k slot; proj scale block "
+        "shifted — test_moe.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.moe", "bf16", 2.0**-7, 2e-4,
+        "bf16 output vs the twin's stage 2 on the kernel's intermediate, both rounded to bf16 once "
+        "(RNE): FP32 differences ≪ half an ulp, so an element differs by at most one ulp where "
+        "they straddle a rounding boundary (also asserted per element); one ulp ≤ 2^-7 of max|b|",
+        "fp32→bf16 by truncation (the Triton interpreter's own cast) — test_moe.py",
+    ),
+    Tolerance(
+        "kernels.moe.e2e", "bf16", 1e-2, 1e-3,
+        "whole op vs the whole twin: the two intermediates differ by ulps (exp inside SiLU), so "
+        "a requant E4M3 code can flip where an intermediate sits on a rounding tie; one flip moves "
+        "a row by ≲ 1/(16·√I) of its scale; plus bf16 one-ulp flips",
+        "dropped top-k slot (weight zeroed) — test_moe.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.moe.vs_unquantized", "qual5", 1e-3, 1e-3,
+        "QUALIFICATION.md §5 bar for FP8 GEMMs: 1 − 2⟨x,y⟩/(|x|²+|y|²) in fp64 must stay below "
+        "max_rel (= rms_rel), kernel bf16 output vs ops.moe in FP32 on dequantized weights; "
+        "evaluated by test_moe.py::qual5_metric, not by check()",
+        "dropped top-k slot — test_moe.py::test_broken_variants_exceed_their_rows",
+    ),
+    # kernels/attention rows
+    Tolerance(
+        "kernels.kv_write", "bf16", 0.0, 0.0,
+        "a KV write and rollback move bits (K, V, int32 slot labels); the twin is "
+        "reference.kv_layout.write_ref / rollback_ref",
+        "ring eviction skipped (slot = p instead of p mod C); rollback skipped after wrap",
+    ),
+    Tolerance(
+        "kernels.attention", "bf16-in/fp32-out", 1e-4, 2e-5,
+        "same bf16 q/k/v as the FP32 twin; bf16·bf16 products are exact in FP32, so only FP32 "
+        "accumulation order of q·k (≲ D·2^-24·Σ|q_i k_i| ≈ 5e-5 on logits ≤ 30 at D ≤ 128), "
+        "exp2/log2 approximations (≤ 2^-22 rel.), the two-term bf16 split of p (≤ 2^-18 rel.) "
+        "and the split merge differ",
+        "window ±1 at a sentinel boundary (≥ 0.05); sink dropped; sink of group g+1; combine "
+        "without the LSE rescale; ring of exactly W slots with 8 rows written before reading",
+    ),
+    Tolerance(
+        "kernels.attention", "bf16", 4.0e-3, 4.0e-3,
+        "the fp32-out row plus one rounding to bf16 (unit roundoff 2^-8 = 3.9e-3 of each "
+        "element, so neither the worst nor the rms relative error can exceed 2^-8 + 1e-4)",
+        "same broken variants as the fp32-out row (each moves outputs by ≥ 0.05 relative)",
+    ),
+    Tolerance(
+        "kernels.attention.bit_exact", "bf16", 0.0, 0.0,
+        "padded width (garbage padding rows) vs exact width, and a rolled-back ring vs one "
+        "that never saw the rejected rows, run the same tiles in the same order",
+        "ring of exactly W slots (rejected rows evict history the next round needs)",
+    ),
+    # kernels/sampler rows
+    # kernels/residual_norm rows
+)
+
+TABLE: dict[tuple[str, str], Tolerance] = {(t.op, t.dtype): t for t in _ROWS}
+
+
+def tolerance(op: str, dtype: str) -> Tolerance:
+    try:
+        return TABLE[(op, dtype)]
+    except KeyError:
+        raise KeyError(f"tolerances: no row for op={op!r} dtype={dtype!r}") from None
+
+
+def measure(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance) -> Margin:
+    """Errors of `actual` against `expected` in float64, with the worst element's index."""
+    if actual.shape != expected.shape:
+        raise ValueError(f"{tol.op}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    a, b = actual.double(), expected.double()
+    if not torch.isfinite(a).all():
+        bad = torch.nonzero(~torch.isfinite(a))[0].tolist()
+        return Margin(float("inf"), float("inf"), tuple(bad), tol)
+    diff = (a - b).abs()
+    scale = max(b.abs().max().item(), 1e-30)
+    idx = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    rms_b = max(b.pow(2).mean().sqrt().item(), 1e-30)
+    return Margin(diff.max().item() / scale, diff.pow(2).mean().sqrt().item() / rms_b, idx, tol)
+
+
+def check(actual: torch.Tensor, expected: torch.Tensor, op: str, dtype: str) -> Margin:
+    """Assert `actual` matches `expected` under the table's row; returns the margin."""
+    tol = tolerance(op, dtype)
+    if tol.exact:
+        if not torch.equal(actual, expected):
+            m = measure(actual.double(), expected.double(), tol)
+            raise AssertionError(f"not bit-exact: {m}")
+        return Margin(0.0, 0.0, (), tol)
+    m = measure(actual, expected, tol)
+    if not m.ok:
+        raise AssertionError(f"outside tolerance: {m}; source: {tol.source}")
+    return m

@@ -1,0 +1,231 @@
+"""The FP32/BF16 reference IQuest-Q1 target and MTP draft, built only from `ops.py`.
+
+Rounding points in BF16 mode (one rounding at the end of each named value): every projection
+output, q/k after norm and after RoPE, attention output, each normalized vector, the residual
+sums h and out (target), the expert activations. Norms, softmax, router, sink correction and
+both lm_heads compute in FP32. The draft keeps its residual stream in FP32
+(`fp32_residual_connection`). In FP32 mode every value is FP32.
+
+Dimension letters: R rows, L cached keys, H hidden, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference import ops
+from reference.config import FULL, ModelConfig
+from reference.params import DRAFT_PREFIX, all_specs
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    act_dtype: torch.dtype
+
+    @classmethod
+    def of(cls, name: str) -> "Precision":
+        table = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        if name not in table:
+            raise ValueError(f"precision: unknown mode {name!r}; choose one of {sorted(table)}")
+        return cls(name, table[name])
+
+
+class KVCache:
+    """Plain growing per-layer K/V with explicit positions (no ring: windows are masks).
+
+    `start` is the position of the first cached row (0 for the target; 1 for the draft, whose
+    position 0 never has an entry because it has no previous hidden state). Rows are always
+    contiguous positions start … start+length−1; rollback truncates.
+    """
+
+    def __init__(self, n_layers: int, start: int = 0):
+        self.start = start
+        self.k: list[torch.Tensor | None] = [None] * n_layers  # [L, Hkv, D]
+        self.v: list[torch.Tensor | None] = [None] * n_layers
+
+    @property
+    def length(self) -> int:
+        k = self.k[0]
+        return 0 if k is None else k.shape[0]
+
+    @property
+    def next_position(self) -> int:
+        return self.start + self.length
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        old_k, old_v = self.k[layer], self.v[layer]
+        self.k[layer] = k if old_k is None else torch.cat([old_k, k])
+        self.v[layer] = v if old_v is None else torch.cat([old_v, v])
+        return self.k[layer], self.v[layer]
+
+    def positions(self, layer: int) -> torch.Tensor:
+        k = self.k[layer]
+        n = 0 if k is None else k.shape[0]
+        return torch.arange(self.start, self.start + n)
+
+    def truncate(self, next_position: int) -> None:
+        """Roll back: keep only rows at positions < next_position."""
+        keep = next_position - self.start
+        if not 0 <= keep <= self.length:
+            raise ValueError(
+                f"KVCache.truncate: position {next_position} outside "
+                f"[{self.start}, {self.next_position}]"
+            )
+        for i in range(len(self.k)):
+            if self.k[i] is not None:
+                self.k[i] = self.k[i][:keep]
+                self.v[i] = self.v[i][:keep]
+
+    def clone(self) -> "KVCache":
+        c = KVCache(len(self.k), self.start)
+        c.k = [None if t is None else t.clone() for t in self.k]
+        c.v = [None if t is None else t.clone() for t in self.v]
+        return c
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor  # [R, V] FP32
+    hidden: torch.Tensor  # [R, H] after the final norm (feeds the draft's hnorm)
+
+
+class ReferenceModel:
+    """Target + draft over a flat parameter dict of floating tensors (block weights dequantized)."""
+
+    def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], precision: str = "fp32"):
+        self.cfg = cfg
+        self.precision = Precision.of(precision)
+        specs = all_specs(cfg)
+        missing = sorted(set(specs) - set(params))
+        if missing:
+            raise ValueError(f"ReferenceModel: missing parameters {missing[:5]}")
+        act = self.precision.act_dtype
+        self.p: dict[str, torch.Tensor] = {}
+        for name, spec in specs.items():
+            t = params[name]
+            if t.dtype == torch.float8_e4m3fn:
+                raise ValueError(f"ReferenceModel: {name} is E4M3; dequantize it first")
+            self.p[name] = t.float() if spec.kind == "fp32" else t.to(act)
+
+    # --- shared blocks -------------------------------------------------------------------
+    def _attn(
+        self,
+        pre: str,
+        xn: torch.Tensor,  # [R, H] normalized input
+        positions: torch.Tensor,  # [R]
+        cache: KVCache | None,
+        layer: int,
+        window: int | None,
+        theta: float,
+    ) -> torch.Tensor:
+        t = self.cfg.target
+        p, eps, act = self.p, t.rms_norm_eps, self.precision.act_dtype
+        r = xn.shape[0]
+        qkv = ops.linear(xn, p[pre + "self_attn.qkv_proj.weight"])  # [R, q + 2kv]
+        q = qkv[:, : t.q_size].reshape(r, t.num_attention_heads, t.head_dim)
+        k = qkv[:, t.q_size : t.q_size + t.kv_size].reshape(r, t.num_key_value_heads, t.head_dim)
+        v = qkv[:, t.q_size + t.kv_size :].reshape(r, t.num_key_value_heads, t.head_dim)
+        if t.qk_norm:
+            q = ops.rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
+            k = ops.rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
+        q = ops.rope(q, positions, t.rotary_dim, theta)
+        k = ops.rope(k, positions, t.rotary_dim, theta)
+        if cache is None:
+            keys, values, k_pos = k, v, positions
+        else:
+            expected = cache.start + len(cache.positions(layer))
+            if positions[0].item() != expected:
+                raise ValueError(
+                    f"reference: rows start at position {positions[0].item()}, "
+                    f"layer {layer} cache expects {expected}"
+                )
+            keys, values = cache.append(layer, k, v)
+            k_pos = cache.positions(layer)
+        sink = p[pre + "self_attn.sink_k"] if t.attention_sink else None
+        o = ops.attention(
+            q, keys, values, positions, k_pos, window, sink, t.head_dim**-0.5, out_dtype=act
+        )
+        return ops.linear(o.reshape(r, t.q_size), p[pre + "self_attn.o_proj.weight"])
+
+    def _moe(self, pre: str, x: torch.Tensor, top_k: int) -> torch.Tensor:
+        p = self.p
+        w, ids = ops.route(x, p[pre + "mlp.router.weight"], top_k)
+        return ops.moe(x, w, ids, p[pre + "mlp.experts.fc"], p[pre + "mlp.experts.proj"])
+
+    # --- target --------------------------------------------------------------------------
+    def target(
+        self,
+        tokens: torch.Tensor,  # [R] int
+        positions: torch.Tensor,  # [R] consecutive
+        cache: KVCache | None = None,  # None: no cache, the rows attend only to themselves
+    ) -> Output:
+        t, p = self.cfg.target, self.p
+        eps, act = t.rms_norm_eps, self.precision.act_dtype
+        x = p["model.embed_tokens.weight"][tokens]  # [R, H]
+        for i, kind in enumerate(t.layer_types):
+            pre = f"model.layers.{i}."
+            full = kind == FULL
+            window = None if full else t.sliding_window
+            theta = t.rope_theta if full else t.swa_rope_theta
+            xn = ops.rms_norm(x, p[pre + "attention_norm.weight"], eps)
+            a = self._attn(pre, xn, positions, cache, i, window, theta)
+            an = ops.rms_norm(a, p[pre + "attn_out_norm.weight"], eps)
+            if i == 0:  # sandwich norms, raw residual
+                h = (x.float() + an.float()).to(act)
+                f_in = ops.rms_norm(h, p[pre + "feed_forward_norm.weight"], eps)
+                f = ops.swiglu(
+                    f_in,
+                    p[pre + "mlp.gate_proj.weight"],
+                    p[pre + "mlp.up_proj.weight"],
+                    p[pre + "mlp.down_proj.weight"],
+                )
+                fn = ops.rms_norm(f, p[pre + "ffn_out_norm.weight"], eps)
+                x = (h.float() + fn.float()).to(act)
+            else:  # normalized-input residual, scaled, no FFN output norm
+                h = (xn.float() + an.float() * t.attn_out_scale).to(act)
+                f_in = ops.rms_norm(h, p[pre + "feed_forward_norm.weight"], eps)
+                f = self._moe(pre, f_in, t.num_experts_per_tok)
+                x = (h.float() + f.float() * t.ffn_out_scale).to(act)
+        hidden = ops.rms_norm(x, p["model.norm.weight"], eps)
+        logits = ops.linear(hidden, p["lm_head.weight"], out_dtype=torch.float32)
+        return Output(logits, hidden)
+
+    # --- draft ---------------------------------------------------------------------------
+    def draft(
+        self,
+        tokens: torch.Tensor,  # [R] the token at each row's position
+        hprev: torch.Tensor,  # [R, H] final-normed hidden of the previous position
+        positions: torch.Tensor,  # [R] consecutive
+        cache: KVCache | None = None,
+    ) -> Output:
+        """One draft depth over R rows. hprev is the target's final hidden at depth 0 and the
+        draft's own previous output at later depths; the output hidden serves both."""
+        t, d, p = self.cfg.target, self.cfg.draft, self.p
+        eps, act = t.rms_norm_eps, self.precision.act_dtype
+        pre = DRAFT_PREFIX
+        e = p[pre + "embed_tokens.weight"][tokens]  # [R, H]
+        eh = torch.cat(
+            [ops.rms_norm(e, p[pre + "enorm.weight"], eps), ops.rms_norm(hprev.to(act), p[pre + "hnorm.weight"], eps)],
+            dim=-1,
+        )  # [R, 2H], embedding half first
+        x = ops.linear(eh, p[pre + "eh_proj.weight"])  # [R, H]
+        lp = pre + "layer."
+        xn = ops.rms_norm(x, p[lp + "attention_norm.weight"], eps)
+        a = self._attn(lp, xn, positions, cache, 0, d.sliding_window, d.swa_rope_theta)
+        an = ops.rms_norm(a, p[lp + "attn_out_norm.weight"], eps)
+        h = x.float() + an.float()  # FP32 residual
+        f_in = ops.rms_norm(h, p[lp + "feed_forward_norm.weight"], eps, out_dtype=act)
+        f = self._moe(lp, f_in, d.num_experts_per_tok)
+        out = h + ops.rms_norm(f, p[lp + "ffn_out_norm.weight"], eps).float()
+        hidden = ops.rms_norm(out, p[pre + "norm.weight"], eps, out_dtype=act)
+        logits = ops.linear(hidden, p[pre + "lm_head.weight"], out_dtype=torch.float32)
+        return Output(logits, hidden)
+
+    def new_target_cache(self) -> KVCache:
+        return KVCache(self.cfg.target.num_hidden_layers, start=0)
+
+    def new_draft_cache(self) -> KVCache:
+        return KVCache(1, start=1)

@@ -1,0 +1,29 @@
+"""Test-wide device choice. Without a CUDA GPU, Triton kernels run under the interpreter
+(TRITON_INTERPRET=1 must be set before any @triton.jit is decorated, hence here, first).
+Tests marked `gpu` need compiled kernels on a real GPU and are skipped without one."""
+
+import os
+
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+# Test tensors are tiny: intra-op threads only add contention on the 2-core CI machine.
+torch.set_num_threads(1)
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (compiled Triton kernels)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernels run: cuda when present, else cpu (interpreter)."""
+    return torch.device("cuda" if HAS_GPU else "cpu")
