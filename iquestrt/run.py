@@ -34,22 +34,65 @@ def _request(a, cfg) -> GenerationRequest:
 
 
 def _summary(console: Console, res: GenerationResult, seconds: float, depth: int) -> None:
-    table = Table(title="rounds", show_lines=False)
-    for col in ("round", "position", "drafted", "accepted", "emitted", "bonus"):
-        table.add_column(col, justify="right")
-    for i, r in enumerate(res.rounds):
-        table.add_row(
-            str(i), str(r.position), str(len(r.drafts)), str(r.accepted),
-            " ".join(map(str, r.emitted)), "yes" if r.bonus else "",
-        )
-    if depth > 0:
+    if depth > 0 and len(res.rounds) <= 40:
+        table = Table(title="rounds")
+        for col in ("round", "position", "drafted", "accepted", "emitted", "bonus"):
+            table.add_column(col, justify="right")
+        for i, r in enumerate(res.rounds):
+            table.add_row(
+                str(i),
+                str(r.position),
+                str(len(r.drafts)),
+                str(r.accepted),
+                " ".join(map(str, r.emitted)),
+                "yes" if r.bonus else "",
+            )
         console.print(table)
+    elif depth > 0:
+        console.print("accepted per round: " + " ".join(str(r.accepted) for r in res.rounds))
     n = len(res.tokens)
     console.print(
         f"tokens {n} | rounds {len(res.rounds)} | mean accepted length "
         f"{res.mean_accepted_length:.2f} | {1e3 * seconds / max(n, 1):.1f} ms/token | "
-        f"stop: {res.stop_reason}"
+        f"stop: {res.stop_reason}",
+        soft_wrap=True,
     )
+
+
+class _Ticker:
+    """Progress for long runs: a live bar on a terminal, else a line every `every_s` seconds."""
+
+    def __init__(self, console: Console, total: int, quiet: bool, every_s: float = 10.0):
+        self.console, self.total, self.quiet, self.every_s = console, total, quiet, every_s
+        self.done, self.last = 0, time.perf_counter()
+        self.bar = None
+        if not quiet and console.is_terminal:
+            self.bar = Progress(
+                TextColumn("decoding"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} tokens"),
+                TimeElapsedColumn(),
+                console=console,
+                transient=True,
+            )
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.__enter__()
+            self.task = self.bar.add_task("decode", total=self.total)
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        if self.bar is not None:
+            self.bar.advance(self.task, n)
+        elif not self.quiet and time.perf_counter() - self.last >= self.every_s:
+            self.last = time.perf_counter()
+            self.console.print(f"decoded {min(self.done, self.total)}/{self.total} tokens")
 
 
 def generate_from_args(a) -> int:
@@ -63,19 +106,13 @@ def generate_from_args(a) -> int:
         )
     model = ReferenceModel(cfg, ckpt.dequantized(), precision=a.precision)
     err = Console(stderr=True)
-    progress = Progress(
-        TextColumn("decoding"), BarColumn(), TextColumn("{task.completed}/{task.total} tokens"),
-        TimeElapsedColumn(), console=err, transient=True, disable=a.quiet or not err.is_terminal,
-    )
     t0 = time.perf_counter()
-    with progress:
-        task = progress.add_task("decode", total=req.max_new_tokens)
+    with _Ticker(err, req.max_new_tokens, a.quiet) as ticker:
         res = generate(
-            model, req, depth=a.draft_depth,
-            on_round=lambda r: progress.advance(task, len(r.emitted)),
+            model, req, depth=a.draft_depth, on_round=lambda r: ticker.advance(len(r.emitted))
         )
     seconds = time.perf_counter() - t0
     print(" ".join(map(str, res.tokens)))
     sys.stdout.flush()
-    _summary(Console(stderr=True), res, seconds, a.draft_depth)
+    _summary(err, res, seconds, a.draft_depth)
     return 0

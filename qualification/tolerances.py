@@ -242,12 +242,13 @@ _ROWS: tuple[Tolerance, ...] = (
         "whole op vs the whole twin: the two intermediates differ by ulps (exp inside SiLU), so "
         "a requant E4M3 code can flip where an intermediate sits on a rounding tie; one flip moves "
         "a row by ≲ 1/(16·√I) of its scale; plus bf16 one-ulp flips",
-        "dropped top-k slot (weight zeroed) — test_moe.py::test_broken_variants_exceed_their_rows",
+        "dropped last top-k slot (off-by-one k loop) — test_moe.py::test_broken_variants_exceed_their_rows",
     ),
     Tolerance(
         "kernels.moe.vs_unquantized", "qual5", 1e-3, 1e-3,
         "QUALIFICATION.md §5 bar for FP8 GEMMs: 1 − 2⟨x,y⟩/(|x|²+|y|²) in fp64 must stay below "
-        "max_rel (= rms_rel), kernel bf16 output vs ops.moe in FP32 on dequantized weights; "
+        "max_rel (= rms_rel) for every output row, kernel bf16 output vs ops.moe in FP32 on "
+        "dequantized weights; "
         "evaluated by test_moe.py::qual5_metric, not by check()",
         "dropped top-k slot — test_moe.py::test_broken_variants_exceed_their_rows",
     ),
@@ -262,7 +263,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "kernels.attention", "bf16-in/fp32-out", 1e-4, 2e-5,
         "same bf16 q/k/v as the FP32 twin; bf16·bf16 products are exact in FP32, so only FP32 "
         "accumulation order of q·k (≲ D·2^-24·Σ|q_i k_i| ≈ 5e-5 on logits ≤ 30 at D ≤ 128), "
-        "exp2/log2 approximations (≤ 2^-22 rel.), the two-term bf16 split of p (≤ 2^-18 rel.) "
+        "exp2/log2 approximations (≤ 2^-22 rel.), the two-term bf16 split of p (≤ 2^-16 rel.) "
         "and the split merge differ",
         "window ±1 at a sentinel boundary (≥ 0.05); sink dropped; sink of group g+1; combine "
         "without the LSE rescale; ring of exactly W slots with 8 rows written before reading",

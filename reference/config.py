@@ -52,9 +52,7 @@ class SamplingDefaults:
             f"{where}.top_k",
             f"must be an integer in [0, vocab_size={vocab_size}] (0 = off), got {self.top_k}",
         )
-        _require(
-            0.0 < self.top_p <= 1.0, f"{where}.top_p", f"must be in (0, 1], got {self.top_p}"
-        )
+        _require(0.0 < self.top_p <= 1.0, f"{where}.top_p", f"must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
@@ -71,7 +69,7 @@ class DraftConfig:
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 1536
 
-    def validate(self, target: "TargetConfig") -> None:
+    def validate(self, target: TargetConfig) -> None:
         w = "draft"
         _require(1 <= self.num_draft_slots <= 16, f"{w}.num_draft_slots", "must be in [1, 16]")
         _require(self.num_hidden_layers == 1, f"{w}.num_hidden_layers", "only 1 is supported")
@@ -263,7 +261,7 @@ class ModelConfig:
     @classmethod
     def from_json(
         cls, target: dict[str, Any], draft: dict[str, Any], source: str = "config"
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         target = dict(target)
         name = target.pop("name", "custom")
         sampling = target.pop("sampling_defaults", {})
@@ -282,6 +280,12 @@ class ModelConfig:
             extra = sorted(set(keys) - allowed)
             if extra:
                 raise ConfigError(f"{where}: unknown fields {extra}")
+        for where, keys, kind in (
+            (f"{source}: config.json", target, TargetConfig),
+            (f"{source}: mtp/config.json", draft, DraftConfig),
+            (f"{source}: config.json sampling_defaults", sampling, SamplingDefaults),
+        ):
+            _check_types(where, keys, kind)
         if "layer_types" in target:
             target["layer_types"] = tuple(target["layer_types"])
         t = TargetConfig(**target)
@@ -303,7 +307,7 @@ class ModelConfig:
         )
 
     @classmethod
-    def load(cls, directory: Path) -> "ModelConfig":
+    def load(cls, directory: Path) -> ModelConfig:
         directory = Path(directory)
         files = [directory / "config.json", directory / "mtp" / "config.json"]
         for f in files:
@@ -314,6 +318,27 @@ class ModelConfig:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{directory}: invalid JSON in a config file: {e}") from None
         return cls.from_json(t, d, source=str(directory))
+
+
+def _check_types(where: str, values: dict[str, Any], kind: type) -> None:
+    """JSON values must have the dataclass default's type (ints accepted for floats)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(kind)}
+    for name, value in values.items():
+        want = defaults[name]
+        if isinstance(want, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(want, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(want, float):
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif isinstance(want, tuple):
+            ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        else:
+            ok = True
+        if not ok:
+            raise ConfigError(
+                f"{where}: field {name!r} must be {type(want).__name__}, got {value!r}"
+            )
 
 
 def preset(name: str) -> ModelConfig:

@@ -22,15 +22,30 @@ from reference.params import DRAFT_PREFIX, all_specs
 
 @dataclass(frozen=True)
 class Precision:
+    """Reference precision modes.
+
+    fp32      — every value FP32.
+    bf16      — BF16 activations (rounding points in the module docstring); the router reads the
+                BF16-rounded normalized expert input, upcast to FP32.
+    bf16-fold — as bf16, but the target's routers (layers ≥ 1) read the un-rounded FP32
+                expression rms_norm(xn + attn_out_norm(a)·scale) — what the runtime's router
+                folded into the attention tail computes. The draft keeps its BF16 router.
+    """
+
     name: str
     act_dtype: torch.dtype
+    fold_router: bool = False
 
     @classmethod
-    def of(cls, name: str) -> "Precision":
-        table = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    def of(cls, name: str) -> Precision:
+        table = {
+            "fp32": (torch.float32, False),
+            "bf16": (torch.bfloat16, False),
+            "bf16-fold": (torch.bfloat16, True),
+        }
         if name not in table:
             raise ValueError(f"precision: unknown mode {name!r}; choose one of {sorted(table)}")
-        return cls(name, table[name])
+        return cls(name, *table[name])
 
 
 class KVCache:
@@ -79,7 +94,7 @@ class KVCache:
                 self.k[i] = self.k[i][:keep]
                 self.v[i] = self.v[i][:keep]
 
-    def clone(self) -> "KVCache":
+    def clone(self) -> KVCache:
         c = KVCache(len(self.k), self.start)
         c.k = [None if t is None else t.clone() for t in self.k]
         c.v = [None if t is None else t.clone() for t in self.v]
@@ -150,9 +165,13 @@ class ReferenceModel:
         )
         return ops.linear(o.reshape(r, t.q_size), p[pre + "self_attn.o_proj.weight"])
 
-    def _moe(self, pre: str, x: torch.Tensor, top_k: int) -> torch.Tensor:
+    def _moe(
+        self, pre: str, x: torch.Tensor, top_k: int, router_in: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """router_in: the router's input when it differs from the expert input x (folded)."""
         p = self.p
-        w, ids = ops.route(x, p[pre + "mlp.router.weight"], top_k)
+        src = x if router_in is None else router_in
+        w, ids = ops.route(src, p[pre + "mlp.router.weight"], top_k)
         return ops.moe(x, w, ids, p[pre + "mlp.experts.fc"], p[pre + "mlp.experts.proj"])
 
     # --- target --------------------------------------------------------------------------
@@ -185,9 +204,13 @@ class ReferenceModel:
                 fn = ops.rms_norm(f, p[pre + "ffn_out_norm.weight"], eps)
                 x = (h.float() + fn.float()).to(act)
             else:  # normalized-input residual, scaled, no FFN output norm
-                h = (xn.float() + an.float() * t.attn_out_scale).to(act)
+                h32 = xn.float() + an.float() * t.attn_out_scale
+                h = h32.to(act)
                 f_in = ops.rms_norm(h, p[pre + "feed_forward_norm.weight"], eps)
-                f = self._moe(pre, f_in, t.num_experts_per_tok)
+                r_in = None
+                if self.precision.fold_router:
+                    r_in = ops.rms_norm(h32, p[pre + "feed_forward_norm.weight"], eps)
+                f = self._moe(pre, f_in, t.num_experts_per_tok, r_in)
                 x = (h.float() + f.float() * t.ffn_out_scale).to(act)
         hidden = ops.rms_norm(x, p["model.norm.weight"], eps)
         logits = ops.linear(hidden, p["lm_head.weight"], out_dtype=torch.float32)
@@ -208,7 +231,10 @@ class ReferenceModel:
         pre = DRAFT_PREFIX
         e = p[pre + "embed_tokens.weight"][tokens]  # [R, H]
         eh = torch.cat(
-            [ops.rms_norm(e, p[pre + "enorm.weight"], eps), ops.rms_norm(hprev.to(act), p[pre + "hnorm.weight"], eps)],
+            [
+                ops.rms_norm(e, p[pre + "enorm.weight"], eps),
+                ops.rms_norm(hprev.to(act), p[pre + "hnorm.weight"], eps),
+            ],
             dim=-1,
         )  # [R, 2H], embedding half first
         x = ops.linear(eh, p[pre + "eh_proj.weight"])  # [R, H]

@@ -45,7 +45,9 @@ def _attention(p: str, cfg: ModelConfig) -> dict[str, ParamSpec]:
     t = cfg.target
     return {
         f"{p}attention_norm.weight": ParamSpec((t.hidden_size,), PLAIN),
-        f"{p}self_attn.qkv_proj.weight": ParamSpec((t.q_size + 2 * t.kv_size, t.hidden_size), BLOCK),
+        f"{p}self_attn.qkv_proj.weight": ParamSpec(
+            (t.q_size + 2 * t.kv_size, t.hidden_size), BLOCK
+        ),
         f"{p}self_attn.o_proj.weight": ParamSpec((t.hidden_size, t.q_size), BLOCK),
         f"{p}self_attn.q_norm.weight": ParamSpec((t.head_dim,), PLAIN),
         f"{p}self_attn.k_norm.weight": ParamSpec((t.head_dim,), PLAIN),

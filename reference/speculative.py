@@ -129,7 +129,13 @@ class ReferenceGenerator:
             vout = m_.target(rows, torch.arange(m, m + d + 1), tcache)
             p_rows = served_distribution(vout.logits, req.sampling)  # [D+1, V]
             q = torch.stack(q_rows) if q_rows else p_rows[:0]
-            res = verify(p_rows, q, torch.tensor([x.token for x in drafts], dtype=torch.int64), req.seed, m + 1)
+            res = verify(
+                p_rows,
+                q,
+                torch.tensor([x.token for x in drafts], dtype=torch.int64),
+                req.seed,
+                m + 1,
+            )
             a = res.n_accepted
             emitted = [x.token for x in drafts[:a]] + [res.next_token]
             # settle: keep x_m and the accepted drafts (positions ≤ m+a) in both caches
