@@ -41,10 +41,16 @@ class Margin:
             return self.max_rel == 0.0
         return self.max_rel <= self.tol.max_rel and self.rms_rel <= self.tol.rms_rel
 
+    @property
+    def band_used(self) -> float:
+        """The larger of the two errors as a share of its allowed band."""
+        return max(self.max_rel / self.tol.max_rel, self.rms_rel / self.tol.rms_rel)
+
     def __str__(self) -> str:
         used = (
-            "exact" if self.tol.exact else
-            f"{max(self.max_rel / self.tol.max_rel, self.rms_rel / self.tol.rms_rel):.1%} of band"
+            "exact"
+            if self.tol.exact
+            else f"{self.band_used:.1%} of band"
         )
         return (
             f"{self.tol.op}[{self.tol.dtype}]: max_rel={self.max_rel:.3e} "
@@ -55,14 +61,20 @@ class Margin:
 _ROWS: tuple[Tolerance, ...] = (
     # --- reference model self-consistency -------------------------------------------------
     Tolerance(
-        "reference.verify_vs_decode", "fp32", 1e-5, 5e-6,
+        "reference.verify_vs_decode",
+        "fp32",
+        1e-5,
+        5e-6,
         "FP32 GEMMs of different row counts differ only in accumulation order: ~K·eps_fp32 "
         "relative at K ≤ 384 for the tiny preset; measured on tiny (synthetic q/k-norm gain "
         "1.5), 6 seeds x 24 (prefix, R) pairs: worst 2.5e-6 max / 1.6e-6 rms",
         "a verify row that sees one key too many (window + 1)",
     ),
     Tolerance(
-        "reference.verify_vs_decode", "bf16", 8e-2, 4e-2,
+        "reference.verify_vs_decode",
+        "bf16",
+        8e-2,
+        4e-2,
         "BF16 mode rounds ~10 values per layer to BF16 (u = 2^-8); FP32 GEMMs of different row "
         "counts flip single roundings, which the residual stream and near-tie routing carry "
         "forward. Measured on tiny, 6 seeds x 24 (prefix, R) pairs: worst 5.0e-2 max / "
@@ -70,13 +82,19 @@ _ROWS: tuple[Tolerance, ...] = (
         "a verify row that sees one key too many (window + 1): ≥ 0.13 max / ≥ 0.15 rms on tiny",
     ),
     Tolerance(
-        "reference.cache_vs_recompute", "fp32", 1e-5, 5e-6,
+        "reference.cache_vs_recompute",
+        "fp32",
+        1e-5,
+        5e-6,
         "same mechanism and band as reference.verify_vs_decode[fp32]: prefill+decode vs one "
         "no-cache pass differ only in GEMM row counts; measured worst 2.2e-6 max / 1.3e-6 rms",
         "decode rows that see one key too many (window + 1)",
     ),
     Tolerance(
-        "reference.cache_vs_recompute", "bf16", 8e-2, 4e-2,
+        "reference.cache_vs_recompute",
+        "bf16",
+        8e-2,
+        4e-2,
         "same mechanism and band as reference.verify_vs_decode[bf16]",
         "decode rows that see one key too many (window + 1)",
     ),
@@ -84,114 +102,174 @@ _ROWS: tuple[Tolerance, ...] = (
     # fp32 rows: a few FP32 roundings per output (u32 = 2^-24), measured ≤ 5e-7 everywhere;
     # bf16 rows: inputs already on the BF16 grid, so the final rounding (u = 2^-8) dominates.
     Tolerance(
-        "ref.rms_norm", "fp32", 1e-6, 5e-7,
+        "ref.rms_norm",
+        "fp32",
+        1e-6,
+        5e-7,
         "FP32 mean of D ≤ 3072 squares, rsqrt, two products: ≲ 16·u32; measured 1.2e-7",
         "eps outside the sqrt (x/(rms+eps)) at rms(x) ≈ sqrt(eps); weight used as 1 + w",
     ),
     Tolerance(
-        "ref.rms_norm", "bf16", 4e-3, 4e-3,
+        "ref.rms_norm",
+        "bf16",
+        4e-3,
+        4e-3,
         "one final BF16 rounding: each element within u = 2^-8 of itself; measured 2.3e-3",
         "weight used as 1 + w",
     ),
     Tolerance(
-        "ref.rope", "fp32", 1e-6, 5e-7,
+        "ref.rope",
+        "fp32",
+        1e-6,
+        5e-7,
         "angles in FP64, cos/sin rounded to FP32, two products and a sum: ≲ 8·u32 vs mpmath at "
         "positions up to 524287; measured 5e-8",
         "angles computed in FP32 (≈3e-2 at position 524287); GPT-J interleaved pairs; "
         "inv_freq over head_dim",
     ),
     Tolerance(
-        "ref.rope", "bf16", 4e-3, 4e-3,
+        "ref.rope",
+        "bf16",
+        4e-3,
+        4e-3,
         "one final BF16 rounding (u = 2^-8); measured 2.2e-3",
         "GPT-J interleaved pairs",
     ),
     Tolerance(
-        "ref.rope_passthrough", "any", 0.0, 0.0,
+        "ref.rope_passthrough",
+        "any",
+        0.0,
+        0.0,
         "dims ≥ rotary_dim are copied, never rotated",
         "rotating all head dims",
     ),
     Tolerance(
-        "ref.attention", "fp32", 2e-6, 1e-6,
+        "ref.attention",
+        "fp32",
+        2e-6,
+        1e-6,
         "FP32 dot products over D, exp/logsumexp over ≤ 64 keys, sigmoid sink factor: ≲ 32·u32; "
         "measured 2e-7",
         "sink dropped; sink key of group g+1; GQA heads tiled (h % Hkv); window ±1 with "
         "sentinel keys",
     ),
     Tolerance(
-        "ref.attention", "bf16", 4e-3, 4e-3,
+        "ref.attention",
+        "bf16",
+        4e-3,
+        4e-3,
         "BF16 q/k/v, FP32 math, one final BF16 rounding (u = 2^-8); measured 1.8e-3",
         "sink dropped",
     ),
     Tolerance(
-        "ref.route", "fp32", 2e-6, 1e-6,
+        "ref.route",
+        "fp32",
+        2e-6,
+        1e-6,
         "FP32 router GEMM over H ≤ 128, softmax, renormalization: ≲ 32·u32; measured 4.7e-7",
         "weights not renormalized after top-k",
     ),
     Tolerance(
-        "ref.route_ids", "int64", 0.0, 0.0,
+        "ref.route_ids",
+        "int64",
+        0.0,
+        0.0,
         "expert indices are exact: order (probability desc, index asc)",
         "ties broken by higher index",
     ),
     Tolerance(
-        "ref.swiglu", "fp32", 4e-6, 2e-6,
+        "ref.swiglu",
+        "fp32",
+        4e-6,
+        2e-6,
         "three FP32 GEMMs (K ≤ 256) rounded to FP32 after each projection; measured 5e-7",
         "gate and up halves swapped",
     ),
     Tolerance(
-        "ref.swiglu", "bf16", 1.6e-2, 8e-3,
+        "ref.swiglu",
+        "bf16",
+        1.6e-2,
+        8e-3,
         "BF16 roundings of gate, up, activation and output (4u max, 2u rms with u = 2^-8); "
         "measured 5.5e-3 / 3.7e-3",
         "gate and up halves swapped",
     ),
     Tolerance(
-        "ref.moe", "fp32", 4e-6, 2e-6,
+        "ref.moe",
+        "fp32",
+        4e-6,
+        2e-6,
         "as ref.swiglu[fp32] plus an FP32 weighted sum over K slots; measured 3.5e-7",
         "one expert's contribution dropped; expert rows misassigned",
     ),
     Tolerance(
-        "ref.moe", "bf16", 1.6e-2, 8e-3,
+        "ref.moe",
+        "bf16",
+        1.6e-2,
+        8e-3,
         "as ref.swiglu[bf16]; FP32 weights and slot sum, one final rounding; measured 4.4e-3",
         "one expert's contribution dropped",
     ),
     Tolerance(
-        "ref.dequant_block", "fp32", 0.0, 0.0,
+        "ref.dequant_block",
+        "fp32",
+        0.0,
+        0.0,
         "E4M3 (4 significant bits) × FP32 scale is exact in FP64; one RNE rounding to FP32 "
         "equals the FP64 product rounded",
         "scale grid shifted by one block",
     ),
     Tolerance(
-        "ref.dequant_act", "fp32", 0.0, 0.0,
+        "ref.dequant_act",
+        "fp32",
+        0.0,
+        0.0,
         "as ref.dequant_block, per row and 128 columns",
         "scale groups shifted by one",
     ),
     Tolerance(
-        "ref.quantize_block", "e4m3", 0.0, 0.0,
+        "ref.quantize_block",
+        "e4m3",
+        0.0,
+        0.0,
         "data on the E4M3 grid times a power of two per block round-trips losslessly; "
         "scales equal FP32(amax/448); codes are RNE of w/scale",
         "power-of-two scale rounding forced on off-grid data (block max no longer 448)",
     ),
     Tolerance(
-        "ref.quantize_act", "e4m3", 0.0, 0.0,
+        "ref.quantize_act",
+        "e4m3",
+        0.0,
+        0.0,
         "as ref.quantize_block, per row and 128 columns",
         "amax taken over the whole row",
     ),
     # --- reference sampling / rejection (reference/sampling.py, reference/rejection.py) ------
     # e = 2^-24 (fp32 unit roundoff); n = kept tokens <= V <= 16 in the tests that use these.
     Tolerance(
-        "reference.served_distribution", "fp32", 4e-6, 4e-6,
+        "reference.served_distribution",
+        "fp32",
+        4e-6,
+        4e-6,
         "vs a float64 oracle of the same semantics: z = x/T (1 rounding, amplified by |z| <= 16 "
         "in exp: 16e), exp (<= 2e), two sequential sums of n terms (2ne) and two divisions (2e): "
         "(2*16 + 2*16 + 6)e ~= 4.2e-6 relative per element, cases chosen away from ties",
         "top-k/top-p order swapped, or no renormalization after top-k (O(0.1) in the tests)",
     ),
     Tolerance(
-        "reference.residual_distribution", "fp32", 1.5e-6, 1.5e-6,
+        "reference.residual_distribution",
+        "fp32",
+        1.5e-6,
+        1.5e-6,
         "vs the exact rational norm(max(p - q, 0)) of the same fp32 p, q: one subtraction (e), "
         "a sequential sum of <= 16 terms (15e), one division (e): 17e ~= 1.0e-6 relative",
         "residual not renormalized (tests/test_rejection.py mutant)",
     ),
     Tolerance(
-        "reference.emitted_token_law", "fp32", 3e-4, 3e-4,
+        "reference.emitted_token_law",
+        "fp32",
+        3e-4,
+        3e-4,
         "the implementation's exact law on the 2^-24 uniform grid vs the ideal target law "
         "p/sum(p): grid and fl(u*Z) boundary shifts, sequential-sum roundings and sum(p) != 1 "
         "give <= (n^2 + 16n + 32)e absolute per token, ~2.2e-5 at n = 12, relative to "
@@ -201,7 +279,10 @@ _ROWS: tuple[Tolerance, ...] = (
     # --- kernels (issue 3) ------------------------------------------------------------------
     # kernels/fp8 rows
     Tolerance(
-        "kernels.fp8.quantize_act", "e4m3", 0.0, 0.0,
+        "kernels.fp8.quantize_act",
+        "e4m3",
+        0.0,
+        0.0,
         "same IEEE operations as reference.ops.quantize_act (amax, div_rn by 448, div_rn of x, "
         "clamp ±448, E4M3 round-to-nearest-even snapped by hand), so codes and scales are "
         "bit-identical",
@@ -209,13 +290,19 @@ _ROWS: tuple[Tolerance, ...] = (
         "own fp32→E4M3 cast) — tests/kernels/test_fp8.py",
     ),
     Tolerance(
-        "kernels.fp8.dequant_block", "fp32", 0.0, 0.0,
+        "kernels.fp8.dequant_block",
+        "fp32",
+        0.0,
+        0.0,
         "one fp32 multiply per element, as reference.ops.dequant_block",
         "partial edge block reading its neighbour's scale — tests/kernels/test_fp8.py",
     ),
     # kernels/moe rows
     Tolerance(
-        "kernels.moe.gate_up", "fp32", 1e-5, 1e-6,
+        "kernels.moe.gate_up",
+        "fp32",
+        1e-5,
+        1e-6,
         "stage 1 (SiLU(gate)·up per slot) vs moe_gate_up_fp8_ref: FP32 accumulation order over "
         "H ≤ 3072 (24 scale blocks) plus ulp-level exp in SiLU, ~1e-7 measured; 1e-5 stays 100× "
         "below a BF16 round trip of the intermediate (2^-9)",
@@ -223,7 +310,10 @@ _ROWS: tuple[Tolerance, ...] = (
         "one — tests/kernels/test_moe.py::test_broken_variants_exceed_their_rows",
     ),
     Tolerance(
-        "kernels.moe.down", "fp32", 1e-5, 1e-6,
+        "kernels.moe.down",
+        "fp32",
+        1e-5,
+        1e-6,
         "stage 2 (requant, down GEMM, k-ordered weighted sum) vs moe_down_fp8_ref on the same "
         "FP32 intermediate: the requant is bit-exact, so only FP32 accumulation order over I ≤ 192 "
         "and K ≤ 8 (plus FMA contraction on the GPU) remains",
@@ -231,21 +321,30 @@ _ROWS: tuple[Tolerance, ...] = (
         "shifted — test_moe.py::test_broken_variants_exceed_their_rows",
     ),
     Tolerance(
-        "kernels.moe", "bf16", 2.0**-7, 2e-4,
+        "kernels.moe",
+        "bf16",
+        2.0**-7,
+        2e-4,
         "bf16 output vs the twin's stage 2 on the kernel's intermediate, both rounded to bf16 once "
         "(RNE): FP32 differences ≪ half an ulp, so an element differs by at most one ulp where "
         "they straddle a rounding boundary (also asserted per element); one ulp ≤ 2^-7 of max|b|",
         "fp32→bf16 by truncation (the Triton interpreter's own cast) — test_moe.py",
     ),
     Tolerance(
-        "kernels.moe.e2e", "bf16", 1e-2, 1e-3,
+        "kernels.moe.e2e",
+        "bf16",
+        1e-2,
+        1e-3,
         "whole op vs the whole twin: the two intermediates differ by ulps (exp inside SiLU), so "
         "a requant E4M3 code can flip where an intermediate sits on a rounding tie; one flip moves "
         "a row by ≲ 1/(16·√I) of its scale; plus bf16 one-ulp flips",
         "dropped last top-k slot (off-by-one k loop) — test_moe.py::test_broken_variants_exceed_their_rows",
     ),
     Tolerance(
-        "kernels.moe.vs_unquantized", "qual5", 1e-3, 1e-3,
+        "kernels.moe.vs_unquantized",
+        "qual5",
+        1e-3,
+        1e-3,
         "QUALIFICATION.md §5 bar for FP8 GEMMs: 1 − 2⟨x,y⟩/(|x|²+|y|²) in fp64 must stay below "
         "max_rel (= rms_rel) for every output row, kernel bf16 output vs ops.moe in FP32 on "
         "dequantized weights; "
@@ -254,13 +353,19 @@ _ROWS: tuple[Tolerance, ...] = (
     ),
     # kernels/attention rows
     Tolerance(
-        "kernels.kv_write", "bf16", 0.0, 0.0,
+        "kernels.kv_write",
+        "bf16",
+        0.0,
+        0.0,
         "a KV write and rollback move bits (K, V, int32 slot labels); the twin is "
         "reference.kv_layout.write_ref / rollback_ref",
         "ring eviction skipped (slot = p instead of p mod C); rollback skipped after wrap",
     ),
     Tolerance(
-        "kernels.attention", "bf16-in/fp32-out", 1e-4, 2e-5,
+        "kernels.attention",
+        "bf16-in/fp32-out",
+        1e-4,
+        2e-5,
         "same bf16 q/k/v as the FP32 twin; bf16·bf16 products are exact in FP32, so only FP32 "
         "accumulation order of q·k (≲ D·2^-24·Σ|q_i k_i| ≈ 5e-5 on logits ≤ 30 at D ≤ 128), "
         "exp2/log2 approximations (≤ 2^-22 rel.), the two-term bf16 split of p (≤ 2^-16 rel.) "
@@ -269,13 +374,19 @@ _ROWS: tuple[Tolerance, ...] = (
         "without the LSE rescale; ring of exactly W slots with 8 rows written before reading",
     ),
     Tolerance(
-        "kernels.attention", "bf16", 4.0e-3, 4.0e-3,
+        "kernels.attention",
+        "bf16",
+        4.0e-3,
+        4.0e-3,
         "the fp32-out row plus one rounding to bf16 (unit roundoff 2^-8 = 3.9e-3 of each "
         "element, so neither the worst nor the rms relative error can exceed 2^-8 + 1e-4)",
         "same broken variants as the fp32-out row (each moves outputs by ≥ 0.05 relative)",
     ),
     Tolerance(
-        "kernels.attention.bit_exact", "bf16", 0.0, 0.0,
+        "kernels.attention.bit_exact",
+        "bf16",
+        0.0,
+        0.0,
         "padded width (garbage padding rows) vs exact width, and a rolled-back ring vs one "
         "that never saw the rejected rows, run the same tiles in the same order",
         "ring of exactly W slots (rejected rows evict history the next round needs)",
