@@ -1,0 +1,1 @@
+"""Benchmarks (GPU only): runnable scripts, `python -m benchmarks.<name>`."""
