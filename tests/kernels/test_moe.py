@@ -1,0 +1,516 @@
+"""kernels/moe.py against its twins (reference/fp8_ops.py), stage by stage, end to end, and
+against the unquantized FP32 reference ops.moe (QUALIFICATION.md §5 metric).
+
+Inputs are snapped: x is E4M3 codes × a power-of-two group scale with ±448 in every group (its
+act-quant is lossless), weights are E4M3 codes × power-of-two block scales whose neighbours differ
+by 4× (a wrong scale block or a dropped expert moves outputs by O(1)), half of the weights zero.
+Experts no live row routes to have NaN scales; padding rows hold NaN / 1e30 and route to those
+poisoned experts, so anything read from them would show.
+
+Dimension letters: R buffer rows, n live rows, H hidden, E experts, K top-k, I intermediate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.fp8 import E4M3
+from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8
+from qualification.tolerances import check, tolerance
+from reference import ops
+from reference.fp8_ops import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
+
+CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
+POS_E4M3 = CODES[(CODES > 0) & ~torch.isnan(CODES)].unique()  # positive finite E4M3 values
+POISON = 12288.0  # exact in bf16; padding rows of outputs must keep it
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    hidden: int
+    experts: int
+    top_k: int
+    inter: int
+    rows: int  # buffer width R
+    n_live: int
+    x_dtype: torch.dtype = torch.bfloat16
+    config: MoeLaunch | None = None
+    strided: bool = False  # x, ids and weights as non-contiguous views
+
+
+@dataclass(frozen=True)
+class Inputs:
+    x: torch.Tensor  # [R, H]
+    weights: torch.Tensor  # [R, K] fp32
+    ids: torch.Tensor  # [R, K]
+    fc: torch.Tensor  # [E, 2I, H] E4M3
+    fc_s: torch.Tensor
+    proj: torch.Tensor  # [E, H, I] E4M3
+    proj_s: torch.Tensor
+    n: torch.Tensor  # [1] int32
+
+
+def pick(pool: torch.Tensor, shape, gen) -> torch.Tensor:
+    return pool[torch.randint(len(pool), shape, generator=gen)]
+
+
+def signs(shape, gen) -> torch.Tensor:
+    return torch.randint(2, shape, generator=gen).float() * 2 - 1
+
+
+def snapped_weights(e: int, rows: int, cols: int, base_exp: int, gen):
+    """E4M3 codes in [1/8, 16], half zero, × 2^(base + e mod 2 ± 1), the ±1 alternating over
+    neighbouring scale blocks (so a shifted block is off by 4×)."""
+    codes = pick(POS_E4M3[(POS_E4M3 >= 0.125) & (POS_E4M3 <= 16)], (e, rows, cols), gen)
+    codes = codes * signs(codes.shape, gen) * (torch.rand(codes.shape, generator=gen) < 0.5)
+    nb, kb = -(-rows // 128), -(-cols // 128)
+    grid = (torch.arange(nb)[:, None] + torch.arange(kb)[None, :]) % 2 * 2 - 1  # [nb, kb]
+    exps = base_exp + (torch.arange(e) % 2)[:, None, None] + grid[None]
+    return codes.to(E4M3), torch.exp2(exps.float())
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    h, e, k, i, r, n = case.hidden, case.experts, case.top_k, case.inter, case.rows, case.n_live
+    # x: codes in [1, 448] with ±448 in each 128-column group, × 2^p per group
+    groups = -(-h // 128)
+    x = pick(POS_E4M3[POS_E4M3 >= 1], (r, h), gen) * signs((r, h), gen)
+    for g in range(groups):
+        col = g * 128 + int(torch.randint(min(128, h - g * 128), (1,), generator=gen))
+        x[:, col] = 448.0 * signs((r,), gen)
+    p = torch.randint(-6, -4, (r, groups), generator=gen).float()
+    x = x * torch.exp2(p).repeat_interleave(128, dim=1)[:, :h]
+    # routing: experts [0, e - 2) serve live rows; the last two are routed only by padding rows
+    live_pool = e - 2
+    ids = torch.stack([torch.randperm(live_pool, generator=gen)[:k] for _ in range(r)])
+    if n >= 3:  # one expert shared by three rows, at different k positions
+        shared = int(ids[0, 0])
+        for row, slot in ((1, k - 1), (2, k // 2)):
+            j = int((ids[row] == shared).nonzero()[0]) if (ids[row] == shared).any() else slot
+            ids[row, j], ids[row, slot] = ids[row, slot].clone(), shared
+    ids[n:, 0] = e - 1
+    ids[n:, 1:] = e - 2
+    ids = ids.to(torch.int32 if seed % 2 else torch.int64)
+    w = torch.rand(r, k, generator=gen) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    shift = -6 - round(math.log2(h / 128))  # keep gate/up pre-activations O(1) as H grows
+    fc, fc_s = snapped_weights(e, 2 * i, h, shift, gen)
+    proj, proj_s = snapped_weights(e, h, i, -6, gen)
+    unrouted = sorted(set(range(e)) - set(ids[:n].flatten().tolist()))
+    fc_s[unrouted] = float("nan")
+    proj_s[unrouted] = float("nan")
+    x[n:] = float("nan")
+    x[n:, 0] = 1e30
+    w[n:] = float("nan")
+    return Inputs(x.to(case.x_dtype), w, ids, fc, fc_s, proj, proj_s,
+                  torch.tensor([n], dtype=torch.int32))
+
+
+def to_dev(inp: Inputs, device, strided: bool = False) -> Inputs:
+    d = Inputs(*(t.to(device) for t in (inp.x, inp.weights, inp.ids, inp.fc, inp.fc_s,
+                                        inp.proj, inp.proj_s, inp.n)))
+    if not strided:
+        return d
+    r, h = d.x.shape
+    wide = torch.zeros(r, h + 37, dtype=d.x.dtype, device=device)
+    wide[:, 5 : 5 + h] = d.x
+    x = wide[:, 5 : 5 + h]  # row stride h + 37
+    ids = d.ids.t().contiguous().t()  # column-major [R, K]
+    weights = d.weights.t().contiguous().t()
+    assert not (x.is_contiguous() or ids.is_contiguous() or weights.is_contiguous())
+    return Inputs(x, weights, ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+
+
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise distance in bf16 ulps (ordered bit patterns; ±0 coincide)."""
+    def ordered(t):
+        v = t.contiguous().view(torch.int16).int()
+        return torch.where(v < 0, -(v & 0x7FFF), v)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def qual5_metric(x: torch.Tensor, y: torch.Tensor) -> float:
+    """QUALIFICATION.md §5: 1 − 2⟨x,y⟩ / (|x|² + |y|²) in fp64, per output row [n, H]; the
+    worst row (a dropped slot in one row must not be averaged away by the others)."""
+    x, y = x.double(), y.double()
+    per_row = 1 - 2 * (x * y).sum(-1) / ((x * x).sum(-1) + (y * y).sum(-1))
+    return float(per_row.max())
+
+
+def unquantized(inp: Inputs, n: int) -> torch.Tensor:
+    """ops.moe in FP32 on the dequantized weights (x's act-quant is lossless by construction);
+    only the routed experts are dequantized (ids renumbered into that subset)."""
+    used, ids = torch.unique(inp.ids[:n].long(), return_inverse=True)
+    fc = ops.dequant_block(inp.fc[used], inp.fc_s[used])
+    proj = ops.dequant_block(inp.proj[used], inp.proj_s[used])
+    return ops.moe(inp.x[:n].float(), inp.weights[:n], ids, fc, proj)
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, POISON, dtype=dtype, device=device)
+
+
+def assert_live_written_pad_untouched(out: torch.Tensor, live: int, what: str) -> None:
+    out = out.cpu().float()
+    assert torch.isfinite(out[:live]).all(), f"{what}: live rows not fully written (or NaN leaked)"
+    assert (out[:live] != POISON).all(), f"{what}: live rows not fully written"
+    assert (out[live:] == POISON).all(), f"{what}: padding rows were written"
+
+
+def run_case(case: Case, seed: int, device) -> dict[str, object]:
+    inp = make_inputs(case, seed)
+    d = to_dev(inp, device, case.strided)
+    n, k = case.n_live, case.top_k
+    cfg = case.config
+    report: dict[str, object] = {}
+
+    # stage 1: SiLU(gate)·up, FP32 per slot
+    a = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n, out=poisoned(
+        (case.rows * k, case.inter), torch.float32, device), config=cfg)
+    assert_live_written_pad_untouched(a, n * k, "gate_up out")
+    a = a.cpu()
+    a_twin = moe_gate_up_fp8_ref(inp.x, inp.ids, inp.fc, inp.fc_s, inp.n)
+    report["gate_up"] = check(a[: n * k], a_twin, "kernels.moe.gate_up", "fp32")
+
+    # stage 2 on the kernel's own intermediate, FP32 out: accumulation order only
+    y = moe_down_fp8(a.to(device), d.weights, d.ids, d.proj, d.proj_s, d.n,
+                     out=poisoned((case.rows, case.hidden), torch.float32, device),
+                     out_dtype=torch.float32, config=cfg)
+    assert_live_written_pad_untouched(y, n, "down out (fp32)")
+    y_twin = moe_down_fp8_ref(a, inp.weights, inp.ids, inp.proj, inp.proj_s, inp.n,
+                              out_dtype=torch.float32)
+    report["down"] = check(y.cpu()[:n], y_twin, "kernels.moe.down", "fp32")
+
+    # whole op, bf16 out
+    o = moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n,
+                out=poisoned((case.rows, case.hidden), torch.bfloat16, device), config=cfg)
+    assert_live_written_pad_untouched(o, n, "moe out (bf16)")
+    o = o.cpu()[:n]
+    # moe_fp8 recomputes stage 1 deterministically (no atomics), i.e. exactly `a`
+    staged = moe_down_fp8_ref(a, inp.weights, inp.ids, inp.proj, inp.proj_s, inp.n)
+    report["bf16"] = check(o, staged, "kernels.moe", "bf16")
+    ulps = bf16_ulps(o, staged)
+    assert ulps.max() <= 1, f"bf16 output off by {int(ulps.max())} ulps from the twin"
+    report["bf16_ulp_flips"] = f"{int((ulps > 0).sum())} of {ulps.numel()}"
+    twin = moe_fp8_ref(inp.x, inp.weights, inp.ids, inp.fc, inp.fc_s, inp.proj, inp.proj_s, inp.n)
+    report["e2e"] = check(o, twin, "kernels.moe.e2e", "bf16")
+    metric = qual5_metric(o, unquantized(inp, n))
+    bound = tolerance("kernels.moe.vs_unquantized", "qual5").max_rel
+    assert metric < bound, f"§5 metric {metric:.3e} vs unquantized ops.moe ≥ {bound}"
+    report["qual5_vs_unquantized"] = f"{metric:.3e} (bound {bound})"
+    return report
+
+
+CASES = (
+    Case("tiny-8of8", 128, 16, 4, 64, 8, 8),
+    Case("tiny-5of8", 128, 16, 4, 64, 8, 5),
+    Case("tiny-1of8", 128, 16, 4, 64, 8, 1, torch.float32),
+    Case("tiny-3of3-strided", 128, 16, 4, 64, 3, 3, torch.float16, strided=True),
+    # partial K block (200), partial channel tile and a scale block straddling gate/up (I = 96)
+    Case("odd-5of6", 200, 8, 3, 96, 6, 5, config=MoeLaunch(64, 64, 128)),
+    # the per-rank structure at small H: top-8, I = 192 (gate/up scale block 1 holds gate rows
+    # 128–191 and up rows 0–63; down's second K block is partial), default launch config
+    Case("rank-like-6of8", 256, 24, 8, 192, 8, 6),
+)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_moe_matches_twin(case, device):
+    t0 = time.perf_counter()
+    report = run_case(case, seed=100 + CASES.index(case), device=device)
+    print(f"\n[{case.name}] {time.perf_counter() - t0:.1f}s")
+    for key, val in report.items():
+        print(f"  {key}: {val}")
+
+
+def test_padded_width_is_bit_identical(device):
+    """5 live rows in an 8-row buffer give exactly the bits of a 5-row buffer."""
+    case = Case("tiny-5of8", 128, 16, 4, 64, 8, 5)
+    inp = make_inputs(case, 7)
+    d = to_dev(inp, device)
+    padded = moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)[:5]
+    exact = moe_fp8(d.x[:5], d.weights[:5], d.ids[:5], d.fc, d.fc_s, d.proj, d.proj_s)
+    assert torch.equal(padded.cpu().view(torch.int16), exact.cpu().view(torch.int16))
+
+
+def weight_reads(monkeypatch, run) -> np.ndarray:
+    """Addresses of every element the interpreter loads (unmasked lanes) while run() executes."""
+    from triton.runtime import interpreter
+
+    seen = []
+    original = interpreter.InterpreterBuilder.create_masked_load
+
+    def spy(self, ptrs, mask, *rest):
+        seen.append(np.broadcast_to(ptrs.data, mask.data.shape)[mask.data].copy())
+        return original(self, ptrs, mask, *rest)
+
+    with monkeypatch.context() as m:
+        m.setattr(interpreter.InterpreterBuilder, "create_masked_load", spy)
+        run()
+    return np.concatenate([a.reshape(-1) for a in seen]).astype(np.uint64)
+
+
+def expert_reads(addrs: np.ndarray, w: torch.Tensor) -> np.ndarray:
+    """Per expert: how many of the loads fell on each element of w [E, N, C] (1-byte E4M3)."""
+    lo = w.data_ptr()
+    inside = addrs[(addrs >= lo) & (addrs < lo + w.numel())] - lo
+    return np.bincount(inside.astype(np.int64), minlength=w.numel()).reshape(w.shape[0], -1)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="counts interpreter loads")
+def test_each_routed_expert_read_once(monkeypatch, device):
+    """Dedup: every element of every routed expert (fc and proj) is loaded exactly once per call
+    however many rows share the expert; unrouted experts are never loaded."""
+    case = Case("tiny-6of8", 128, 16, 4, 64, 8, 6)
+    inp = make_inputs(case, 41)
+    d = to_dev(inp, device)
+    routed = sorted(set(inp.ids[:6].flatten().tolist()))
+    assert len(routed) < 6 * 4, "no expert shared between rows: the dedup check is vacuous"
+    addrs = weight_reads(monkeypatch, lambda: moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s,
+                                                       d.proj, d.proj_s, d.n))
+    for name, w in (("fc", d.fc), ("proj", d.proj)):
+        counts = expert_reads(addrs, w)
+        want = np.zeros_like(counts)
+        want[routed] = 1
+        assert np.array_equal(counts, want), f"{name}: expert elements not read exactly once"
+    # broken variant: rows processed one by one (no dedup) re-read shared experts
+    def per_row():
+        for r in range(6):
+            moe_gate_up_fp8(d.x[r : r + 1], d.ids[r : r + 1], d.fc, d.fc_s)
+    counts = expert_reads(weight_reads(monkeypatch, per_row), d.fc)
+    assert counts.max() > 1, "per-row control read every expert once: control is vacuous"
+
+
+def pow2_requant(a: torch.Tensor) -> torch.Tensor:
+    """The intermediate as a kernel with power-of-two act scales would see it."""
+    r, c = a.shape
+    amax = torch.zeros(r, -(-c // 128) * 128)
+    amax[:, :c] = a.abs()
+    amax = amax.reshape(r, -1, 128).amax(-1)
+    scale = torch.exp2(torch.ceil(torch.log2(torch.where(amax > 0, amax / 448, 1.0))))
+    full = scale.repeat_interleave(128, dim=1)[:, :c]
+    return (a / full).clamp(-448, 448).to(E4M3).float() * full
+
+
+def routed_neighbour(ids: torch.Tensor, nth: int) -> int:
+    """The nth routed expert e whose neighbour e + 1 is routed too (finite, 2× different scales:
+    with one scale block per tiny expert, "the next block" is the next expert's)."""
+    routed = set(ids.flatten().tolist())
+    return [e for e in sorted(routed) if e + 1 in routed][nth]
+
+
+def fails(fn) -> str:
+    with pytest.raises(AssertionError) as err:
+        fn()
+    return str(err.value).split(";")[0]
+
+
+def test_broken_variants_exceed_their_rows(device):
+    """Each tolerance row of kernels/moe is shown to fail for its named broken variant."""
+    case = Case("tiny-6of8", 128, 16, 4, 64, 8, 6)
+    inp = make_inputs(case, 31)
+    d = to_dev(inp, device)
+    n, i = case.n_live, case.inter
+    a_twin = moe_gate_up_fp8_ref(inp.x, inp.ids, inp.fc, inp.fc_s, inp.n)
+    a = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n).cpu()[: n * 4]
+    check(a, a_twin, "kernels.moe.gate_up", "fp32")
+    out = {}
+
+    def stage1(fc, fc_s):
+        got = moe_gate_up_fp8(d.x, d.ids, fc.to(device), fc_s.to(device), d.n).cpu()[: n * 4]
+        check(got, a_twin, "kernels.moe.gate_up", "fp32")
+
+    swapped = torch.cat([inp.fc[:, i:], inp.fc[:, :i]], dim=1)  # one scale block: scales agree
+    out["gate/up swapped"] = fails(lambda: stage1(swapped, inp.fc_s))
+    e0 = routed_neighbour(inp.ids[:n], 0)
+    shifted = inp.fc_s.clone()
+    shifted[e0] = inp.fc_s[e0 + 1]  # expert e0 reads its neighbour's scale block (2× apart)
+    out["fc scale block shifted"] = fails(lambda: stage1(inp.fc, shifted))
+    out["bf16 intermediate (stage 1)"] = fails(
+        lambda: check(a.bfloat16().float(), a_twin, "kernels.moe.gate_up", "fp32"))
+
+    y_twin = moe_down_fp8_ref(a, inp.weights, inp.ids, inp.proj, inp.proj_s, inp.n,
+                              out_dtype=torch.float32)
+    full_twin = moe_fp8_ref(inp.x, inp.weights, inp.ids, inp.fc, inp.fc_s, inp.proj, inp.proj_s,
+                            inp.n)
+
+    def stage2(a_in, weights=d.weights, proj_s=d.proj_s, dtype=torch.float32):
+        a_full = torch.zeros(case.rows * 4, i)
+        a_full[: n * 4] = a_in
+        return moe_down_fp8(a_full.to(device), weights, d.ids, d.proj, proj_s, d.n,
+                            out_dtype=dtype).cpu()[:n]
+
+    y = stage2(a)
+    check(y, y_twin, "kernels.moe.down", "fp32")
+    down = lambda got: check(got, y_twin, "kernels.moe.down", "fp32")  # noqa: E731
+    out["bf16 intermediate (stage 2)"] = fails(lambda: down(stage2(a.bfloat16().float())))
+    out["power-of-two requant scales"] = fails(lambda: down(stage2(pow2_requant(a))))
+    dropped = d.weights.clone()
+    dropped[:, -1] = 0.0  # the last top-k slot of every row dropped (an off-by-one k loop)
+    y_drop = stage2(a, weights=dropped)
+    out["dropped top-k slot (down)"] = fails(lambda: down(y_drop))
+    out["dropped top-k slot (e2e)"] = fails(
+        lambda: check(y_drop.bfloat16(), full_twin, "kernels.moe.e2e", "bf16"))
+    bound = tolerance("kernels.moe.vs_unquantized", "qual5").max_rel
+    drop_metric = qual5_metric(y_drop.bfloat16(), unquantized(inp, n))
+    assert drop_metric > bound, f"dropped slot: §5 metric {drop_metric:.2e} within {bound}"
+    out["dropped top-k slot (§5 metric)"] = f"{drop_metric:.2e} > {bound}"
+    p_shift = d.proj_s.clone()
+    e1 = routed_neighbour(inp.ids[:n], 1)
+    p_shift[e1] = d.proj_s[e1 + 1]
+    out["proj scale block shifted"] = fails(lambda: down(stage2(a, proj_s=p_shift)))
+    staged_bf16 = moe_down_fp8_ref(a, inp.weights, inp.ids, inp.proj, inp.proj_s, inp.n)
+    truncated = (y.view(torch.int32) & -65536).view(torch.float32).bfloat16()  # exact: low bits 0
+    out["bf16 output by truncation"] = fails(
+        lambda: check(truncated, staged_bf16, "kernels.moe", "bf16"))
+    for key, val in out.items():
+        print(f"\n  broken: {key}: {val}")
+
+
+def test_wrapper_errors(device):
+    case = Case("tiny-2of2", 128, 16, 4, 64, 2, 2)
+    inp = make_inputs(case, 3)
+    d = to_dev(inp, device)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s)
+    with pytest.raises(ValueError, match="row buffer: expected 1..16 rows"):
+        moe_fp8(d.x.repeat(9, 1), *args[1:])
+    with pytest.raises(ValueError, match=r"weights: expected shape \(2, 4\)"):
+        moe_fp8(d.x, d.weights[:, :3], *args[2:])
+    with pytest.raises(ValueError, match="ids: expected dtype"):
+        moe_fp8(d.x, d.weights, d.ids.float(), *args[3:])
+    with pytest.raises(ValueError, match=r"fc_scale_inv: expected shape \(16, 1, 1\)"):
+        moe_fp8(*args[:4], d.fc_s[:, :, :0], *args[5:])
+    with pytest.raises(ValueError, match="fc: expected dtype"):
+        moe_fp8(*args[:3], d.fc.float(), *args[4:])
+    with pytest.raises(ValueError, match="proj: expected dim 1 = hidden 128"):
+        moe_fp8(*args[:5], d.proj[:, :64], d.proj_s)
+    with pytest.raises(ValueError, match="n_live: expected dtype"):
+        moe_fp8(*args, torch.tensor([1], device=device))
+    with pytest.raises(ValueError, match="out_dtype"):
+        moe_fp8(*args, out_dtype=torch.float16)
+
+
+SM90_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import moe
+
+def build(fn, sig, const, opts, div16):
+    full = {n: "constexpr" if n in const else sig.get(n, "i32") for n in fn.arg_names}
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    k = triton.compile(ASTSource(fn, full, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    ptx = k.asm["ptx"]
+    return {t: len(re.findall(t, ptx)) for t in ("cp.async", "wgmma", "mma.sync", "ex2")}
+
+tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16)
+cfg = moe.moe_launch(3072, 192)
+f8, f32, i32 = "*fp8e4nv", "*fp32", "*i32"
+out = {
+    "gate_up": build(moe._moe_gate_up_kernel,
+        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, a_ptr=f32),
+        dict(tp8, BLOCK_N=cfg.gate_up_block_n, stride_fk=1, stride_ik=1),
+        dict(num_warps=cfg.num_warps, num_stages=cfg.gate_up_stages),
+        ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "a_ptr", "stride_xqr", "stride_fe",
+         "stride_fn", "stride_ar"]),
+    "down": build(moe._moe_down_kernel,
+        dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
+             y_ptr=f32),
+        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1),
+        dict(num_warps=cfg.num_warps, num_stages=cfg.down_stages),
+        ["aq_ptr", "as_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "stride_aqr", "stride_pe",
+         "stride_pn", "stride_yr"]),
+    "combine": build(moe._moe_combine_kernel,
+        dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
+        dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True), dict(num_warps=4), []),
+}
+print(json.dumps(out))
+"""
+
+
+def test_moe_kernels_compile_for_sm90():
+    """Without a GPU: compile the TP8-configured kernels for sm_90 with Triton's own ptxas, with
+    the alignment Triton's JIT infers at run time; the weight loads must stream through cp.async
+    pipelines, and down must reach the Hopper wgmma path."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"\n  sm_90 PTX: {got}")
+    assert got["gate_up"]["cp.async"] > 0 and got["down"]["cp.async"] > 0, "loads not pipelined"
+    assert got["down"]["wgmma"] > 0
+
+
+# --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
+
+TP8 = dict(hidden=3072, experts=256, top_k=8, inter=192)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_moe_tp8_matches_twin(n_live, device):
+    case = Case(f"tp8-{n_live}of8", **TP8, rows=8, n_live=n_live)
+    report = run_case(case, seed=500 + n_live, device=device)
+    for key, val in report.items():
+        print(f"  {key}: {val}")
+
+
+@pytest.mark.gpu
+def test_moe_cuda_graph_and_no_host_sync(device):
+    case = Case("tp8-graph", **TP8, rows=8, n_live=8)
+    inp = make_inputs(case, 77)
+    d = to_dev(inp, device)
+    n = torch.tensor([8], dtype=torch.int32, device=device)
+    out = poisoned((8, 3072), torch.bfloat16, device)
+    moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, n, out=out)  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, n, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, n, out=out)
+    for live in (3, 8, 1):
+        out.fill_(POISON)
+        n.fill_(live)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_live_written_pad_untouched(out, live, f"graph replay n={live}")
+        twin = moe_fp8_ref(inp.x, inp.weights, inp.ids, inp.fc, inp.fc_s, inp.proj, inp.proj_s,
+                           torch.tensor([live]))
+        check(out.cpu()[:live], twin, "kernels.moe.e2e", "bf16")
+
+
+@pytest.mark.gpu
+def test_bench_moe_tp8(benchmark):
+    """6 live rows, 44 distinct experts; a graph of 20 calls over 5 disjoint routing sets (390 MB
+    of weights cycled, ≫ L2). Divide the reported time by 20 for one call."""
+    from benchmarks.bench_moe import BenchSpec, build_problem, capture_graph, kernel_call
+
+    problem = build_problem(BenchSpec(rows=6, distinct=44), torch.device("cuda"))
+    calls = [kernel_call(problem, 0, j) for j in range(problem.sets)]
+    graph = capture_graph(calls, reps=20)
+
+    def step():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    benchmark(step)
