@@ -395,7 +395,180 @@ _ROWS: tuple[Tolerance, ...] = (
         "rows treated as live (written into the NaN-poisoned output)",
     ),
     # kernels/sampler rows
+    # e = 2^-24. exp is the one step not pinned to the bit (reference/sampling.py docstring).
+    Tolerance(
+        "kernels.sampler.vs_replay", "fp32", 0.0, 0.0,
+        "kernels/sampler.py vs a numpy-fp32 replay of reference/sampling.py that takes exp from "
+        "kernels.sampler.kernel_exp: every other step is the same IEEE operation in the same "
+        "order (div_rn, sequential sums, fp32 u*Z), so ids, order, probabilities and tokens are "
+        "bit-exact (tests/kernels/test_sampler.py)",
+        "any of the mutants below; ties broken by the higher index",
+    ),
+    Tolerance(
+        "kernels.sampler.probs", "fp32", 2.0**-21, 2.0**-21,
+        "kernel vs its twin reference.sampling_twins.sample_ref (torch.exp): kernel_exp (NumPy "
+        "float32 exp under the interpreter, libdevice __nv_expf on sm_90) and torch's CPU exp "
+        "differ by <= 3 ulp (all fp32 z - m in [-104, 0] enumerated: 11% differ, max 3 ulp); "
+        "carried through S, e/S and the top-p renormalization: measured worst 3.9e max_rel, "
+        "3.4e rms_rel (1600 rows, K <= 64, T 0.5-2, logit spreads up to x6.5), per element <= 5 "
+        "ulp; band 8e = 2^-21",
+        "probabilities not renormalized after top-p (>= 4e-2); probabilities carried in bf16 "
+        "(~2^-9) — test_sampler.py::test_broken_variants_fail_their_rows",
+    ),
+    Tolerance(
+        "kernels.sampler.ids", "int64", 0.0, 0.0,
+        "candidate ids, their order and the kept support equal the twin's in every row whose "
+        "nearest decision (order gap between distinct logits, top-p crossing) is farther than "
+        "kernels.sampler.probs + K·e; nearer rows are counted and reported by the test",
+        "top-p dropping the crossing token; top-k/top-p order swapped (test_sampler.py)",
+    ),
+    Tolerance(
+        "kernels.sampler.token", "int64", 0.0, 0.0,
+        "the drawn token equals the twin's unless fl(u·Z) lies within kernels.sampler.probs + K·e "
+        "of a CDF boundary (counted); u = reference.rng.uniforms(seed, position, purpose, index) "
+        "exactly (tl.philox, top 24 bits)",
+        "RNG keyed without the position; purpose ignored (test_sampler.py)",
+    ),
+    Tolerance(
+        "kernels.verify", "int64", 0.0, 0.0,
+        "(n_accepted, next_token, bonus, emitted) equal reference.rejection.verify on the same "
+        "sparse p/q bit for bit: only fp32 u·q < p, p − q, div_rn and sequential sums in the "
+        "reference's orders, no exp",
+        "exact-match acceptance; replacement drawn from p; bonus after a rejection; p/q "
+        "inverted; RNG keyed without the position (tests/kernels/test_verify.py)",
+    ),
     # kernels/residual_norm rows
+    Tolerance(
+        "kernels.residual_norm.exact", "bf16", 0.0, 0.0,
+        "bits that no reduction order touches (kernels/tails.py vs reference/tails.py): the "
+        "partial sum in pinned rank order, x = bf16(h + bf16(Σ)·scale) (IEEE, no FMA), h when the "
+        "o_proj output a lies on a 1/16 grid (its sum of squares is then exact in any order, so "
+        "an is too); and kernel vs kernel: padded vs exact width, permuted producer arrival, "
+        "late producers on another stream",
+        "fp32→bf16 by truncation (the interpreter's own cast) — test_tails.py::"
+        "test_broken_variants_exceed_their_rows; a stale partial consumed as fresh — "
+        "test_readiness.py (B = lag + 1, live-rows-only re-arm); FMA contraction is excluded by "
+        "test_tails.py::test_compiled_kernels_build_for_sm90",
+    ),
+    Tolerance(
+        "kernels.residual_norm.attn_tail", "bf16", 2.0**-7, 2e-4,
+        "h and f_in vs attn_tail_ref: bit-exact except where the order of a norm's sum of squares "
+        "moves 1/sqrt by an ulp and a bf16 rounding flips (≈2·2^-24/2^-8 ≈ 1e-5..1e-4 of "
+        "elements on the GPU's tree order, none on the interpreter); one flip of an moves h by "
+        "ulp(an) ≤ 2^-8·max|an| ≤ 2^-7·max|h|; rms of a few flips ≲ 3e-5",
+        "f_in normalized from the FP32 h32 (rounding point moved), an not rounded before the "
+        "residual, attn_out_scale dropped — "
+        "tests/kernels/test_tails.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.residual_norm.moe_tail", "bf16", 2.0**-7, 2e-4,
+        "xn' vs moe_tail_ref: x is bit-exact (see .exact), xn' = bf16(rms_norm(x)) flips where "
+        "the sum-of-squares order moves 1/sqrt by an ulp, as for attn_tail",
+        "xn' normalized from the FP32 residual (x not rounded), f not rounded before the scale "
+        "— test_tails.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.router.logits", "fp32", 2e-5, 4e-6,
+        "folded-router logits vs rms_norm(h32)·Wᵀ of the twin, inputs with a on a 1/16 grid (so "
+        "h32 is bit-exact): FP32 dot products of H ≤ 3072 terms in two orders (~√H·2^-24 of "
+        "max|logit| ≈ 3e-6) and a per-row 1/sqrt ulp (1.2e-7); measured ≤ 3.7e-7 on the "
+        "interpreter. Ids are compared exactly wherever the twin's sorted logits around the "
+        "top-k are more than 2·max_rel·max|logit| apart (near-ties are counted and reported)",
+        "router reading the rounded bf16 f_in (precision bf16, not bf16-fold): ≥ 2e-4 — "
+        "test_tails.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.router.weights", "fp32", 1e-5, 5e-6,
+        "kernel weights vs ops.route applied to the kernel's own logits: softmax exp (the GPU's "
+        "ex2.approx ≤ 2^-22 rel. plus argument rounding |l−max|·log2e·2^-24 ≈ 2e-6 at spreads "
+        "≤ 20), sums of E and K terms in other orders; measured ≤ 1.2e-7 on the interpreter",
+        "weights not renormalized over the top k — "
+        "test_tails.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.router.ids", "int32", 0.0, 0.0,
+        "expert ids exact vs ops.route on the kernel's own logits (order: probability desc, index "
+        "asc), and vs the twin's ids wherever the top-k is not a near-tie (kernels.router.logits)",
+        "ties broken by higher index; top-k from the bf16 f_in — test_tails.py",
+    ),
+    # kernels/linear rows
+    Tolerance(
+        "kernels.linear_fp8", "fp32", 1e-5, 5e-6,
+        "kernels.linear.linear_fp8 (and each split-K partial) vs linear_fp8_ref on Gaussian data "
+        "(per-group magnitudes 2^±6): the act-quant is bit-exact, so only FP32 accumulation "
+        "order differs — kernel: exact 128-term MMA block sums scaled by sw·sx, twin: dequantized "
+        "operands (one rounding each) in torch's blocked order; ≲ √K·2^-24 of max|y| plus "
+        "tensor-core accumulation and FMA on the GPU. Measured ≤ 8.1e-7 max / 7.4e-7 rms on the "
+        "interpreter (K ≤ 3072, 12 seeds); also bounds split counts 1/2/3 against each other "
+        "(measured 1.4e-7)",
+        "one weight scale block shifted; scale per 128-N ignoring the K block; a split-K partial "
+        "dropped; activation scale per row or rounded to a power of two (all ≥ 1e-3) — "
+        "tests/kernels/test_linear.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.linear_fp8", "bf16", 2.0**-7, 2.0**-7,
+        "bf16 output vs the twin (also linear_bf16_f32's bf16 output), both rounded once (RNE) "
+        "from FP32 values that differ by the fp32 row's ≤ 1e-5·max|y|: an element moves by at "
+        "most one ulp of itself (≤ 2^-8·|y|) plus that difference, so both metrics stay below "
+        "2^-7 whatever the flip count (measured ≤ 0.1% of elements flip; near-cancelling outputs "
+        "can differ by several of their own tiny ulps). How the kernel rounds is checked exactly "
+        "instead: bf16 out == RNE of the fp32 out (kernels.linear.bit_exact)",
+        "weight scale grid shifted by one K block (≥ 0.1); fp32→bf16 by truncation fails "
+        "kernels.linear.bit_exact — test_linear.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.linear_fp8.snapped", "fp32", 0.0, 0.0,
+        "snapped inputs (integer E4M3 codes, ±448 per activation group, power-of-two scales "
+        "within 2^3 of each other): the act-quant is lossless and every partial sum is an integer "
+        "multiple of 2^-9 below 2^15, so any FP32 accumulation order is exact (the test asserts "
+        "twin == FP64) and kernel == twin for every split count, partials included",
+        "one scale block shifted; scale per 128-N ignoring the K block; split-K partial dropped "
+        "— test_linear.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.linear_bf16_f32", "fp32", 1e-5, 5e-6,
+        "kernels.linear.linear_bf16_f32 vs ops.linear(out_dtype=float32): bf16·bf16 products are "
+        "exact in FP32, only the accumulation order over K ≤ 6144 differs (plus tensor-core "
+        "accumulation on the GPU); measured ≤ 2.9e-7 max / 2.7e-7 rms on the interpreter",
+        "logits rounded to bf16 (≈2^-9); the partial last K block dropped — "
+        "test_linear.py::test_linear_bf16_broken_variants",
+    ),
+    Tolerance(
+        "kernels.linear_bf16_f32.snapped", "fp32", 0.0, 0.0,
+        "operands k·2^-4 and k·2^-6 with |k| ≤ 16: every FP32 partial sum is exact in any order",
+        "logits rounded to bf16; a K block dropped",
+    ),
+    Tolerance(
+        "kernels.linear.bit_exact", "bf16", 0.0, 0.0,
+        "linear_fp8 with 5 live rows in an 8-row buffer (garbage padding) vs a 5-row buffer, "
+        "run vs rerun of every split count (same tiles, same order, no atomics); the bf16 "
+        "output of linear_fp8 / linear_bf16_f32 vs torch's RNE of their fp32 output",
+        "padding rows read (NaN/1e30 garbage would leak); split-K through atomics; fp32→bf16 "
+        "by truncation (the Triton interpreter's own cast)",
+    ),
+    Tolerance(
+        "kernels.linear.bit_exact", "fp32", 0.0, 0.0,
+        "as kernels.linear.bit_exact[bf16], for linear_bf16_f32's FP32 logits",
+        "padding rows read",
+    ),
+    Tolerance(
+        "kernels.qk_rope", "bf16", 0.0, 0.0,
+        "kernels.qk_rope vs qk_rope_ref: same rounding points as model._attn in BF16 mode; the "
+        "head's sum of squares in FP64 (bf16 squares exact, order-free up to 2^-46), the rest IEEE "
+        "FP32 in the reference's order (div.rn, sqrt.rn, no FMA: enable_fp_fusion=False), cos/sin "
+        "gathered from ops.rope_cos_sin's own FP32 values, RNE to bf16",
+        "GPT-J interleaved pairs; rotary over all head dims; q-norm weight as 1 + w; k-norm "
+        "weight on q; position off by one; the other layer type's RoPE base — "
+        "tests/kernels/test_qk_rope.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.qk_rope.vs_reference", "bf16", 2.0**-7, 1e-3,
+        "the twin vs the literal model._attn path (ops.rms_norm's FP32 mean in torch's CPU "
+        "order, ops.rope): the two means differ by an ulp in ~40% of heads, which flips a bf16 "
+        "q/k element ~once in 3e5 (measured: 1 of 286720); a flip is ≤ 1 ulp of y, ≤ 2^-7 of "
+        "max|q| after RoPE; rms of one flip in ≥ 1024 elements ≲ 1e-3",
+        "same broken variants as kernels.qk_rope (each ≥ 3e-2 of max|q|) — test_qk_rope.py",
+    ),
 )
 
 TABLE: dict[tuple[str, str], Tolerance] = {(t.op, t.dtype): t for t in _ROWS}

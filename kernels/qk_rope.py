@@ -1,0 +1,213 @@
+"""Attention prologue on the QKV projection: per-head RMSNorm of q and k, partial NeoX RoPE, split
+into q / k / v heads. Twin: reference/dense_twins.py `qk_rope_ref`.
+
+Dimension letters: R rows in the buffer, n live rows (device int32 [1]), S split-K partials,
+Hq / Hkv query / KV heads, D head dim, W = (Hq + 2·Hkv)·D, P table positions, rot rotary dims.
+
+Rounding points are those of reference/model.py `_attn` in BF16 mode: qkv rounded to bf16 after
+the projection (here: FP32 split-K partials summed s = 0, 1, …, S−1 then rounded, the bits that
+kernels.linear.linear_fp8 with out_dtype=bf16 returns, so the QKV GEMM needs no reduce kernel),
+q and k rounded after the norm and again after RoPE; v is the rounded projection.
+
+Where the kernel departs from the FP32 reference on purpose (the twin copies it):
+  * the sum of squares of a head is accumulated in FP64 and rounded once to FP32. bf16 squares
+    are exact, so the FP64 sum is order-free except for bits ~2^-46 below the total: a parallel
+    reduction and torch give the same FP32 value, where an FP32 sum would depend on reduction
+    order (and torch's CPU order on the vector ISA). The rest of the norm is IEEE FP32 in the
+    reference's order: mean = ss / D, r = 1 / sqrt(mean + eps) (both correctly rounded; torch's
+    CPU rsqrt is exactly this), y = (x · r) · w.
+  * cos / sin are gathered from a table built by reference.ops.rope_cos_sin (angles in FP64,
+    rounded to FP32), so RoPE is the reference's own arithmetic: x1·cos − x2·sin and
+    x2·cos + x1·sin, each product rounded. The kernel is launched with enable_fp_fusion=False,
+    which keeps the GPU from contracting a product and a sum into one FMA.
+Table memory: P × rot × 4 bytes; 524288 positions × 32 dims = 64 MB per RoPE base (two bases in
+IQuest-Q1). Positions outside [0, P) give NaN q and k rows (no host check: n is on the device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import bf16_rne, check_tensor, live_count
+from reference import ops
+
+
+@dataclass(frozen=True)
+class RopeTable:
+    cos_sin: torch.Tensor  # [P, rot] fp32: [:, :rot/2] cos, [:, rot/2:] sin at position p
+    rotary_dim: int
+    theta: float
+
+    @property
+    def positions(self) -> int:
+        return self.cos_sin.shape[0]
+
+
+def rope_table(max_positions: int, rotary_dim: int, theta: float, device) -> RopeTable:
+    """cos / sin of every position < max_positions, exactly reference.ops.rope_cos_sin's values."""
+    if max_positions < 1:
+        raise ValueError(f"rope_table: max_positions must be >= 1, got {max_positions}")
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"rope_table: rotary_dim must be even and >= 2, got {rotary_dim}")
+    cos, sin = ops.rope_cos_sin(torch.arange(max_positions), rotary_dim, theta)  # [P, rot/2]
+    return RopeTable(torch.cat([cos, sin], dim=1).to(device), rotary_dim, float(theta))
+
+
+@dataclass(frozen=True)
+class QkRopeLaunch:
+    num_warps: int = 1  # one program per (row, head): D ≤ 256 values
+
+
+# --- kernel ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rounded(base, cols, mask, stride_s, stride_c, S: tl.constexpr):
+    """qkv[·, cols] of one row as fp32 on the bf16 grid: partials summed s = 0 … S−1, rounded."""
+    v = tl.load(base + cols * stride_c, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, S):
+        v += tl.load(base + s * stride_s + cols * stride_c, mask=mask, other=0.0)
+    return bf16_rne(v).to(tl.float32)
+
+
+@triton.jit
+def _qk_rope_kernel(
+    qkv_ptr, qw_ptr, kw_ptr, pos_ptr, tab_ptr, n_live_ptr, q_ptr, k_ptr, v_ptr,
+    R, P, eps,
+    stride_s, stride_r, stride_c, stride_tp,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+    S: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    half: tl.constexpr = ROT // 2
+    row = tl.program_id(0)
+    head = tl.program_id(1)  # [0, HQ) q, [HQ, HQ + HKV) k, then v
+    if row >= tl.minimum(tl.load(n_live_ptr), R):
+        return
+    d = tl.arange(0, BLOCK_D)  # [BD]
+    dm = d < D
+    base = qkv_ptr + row * stride_r + head * D * stride_c
+    x = _load_rounded(base, d, dm, stride_s, stride_c, S)  # [BD]
+    if head >= HQ + HKV:
+        tl.store(v_ptr + row * stride_vr + (head - HQ - HKV) * stride_vh + d, x.to(tl.bfloat16),
+                 mask=dm)
+    else:
+        is_q = head < HQ
+        # NeoX rotate-half partner of dim d: d ± rot/2 inside the rotary part, itself outside
+        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        xp = _load_rounded(base, partner, dm, stride_s, stride_c, S)
+        if NORM:
+            w = tl.where(is_q, tl.load(qw_ptr + d, mask=dm, other=0.0),
+                         tl.load(kw_ptr + d, mask=dm, other=0.0)).to(tl.float32)
+            wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=dm, other=0.0),
+                          tl.load(kw_ptr + partner, mask=dm, other=0.0)).to(tl.float32)
+            x64 = x.to(tl.float64)
+            ss = tl.sum(x64 * x64, axis=0).to(tl.float32)  # bf16 squares are exact in FP64
+            mean = tl.div_rn(tl.zeros([BLOCK_D], tl.float32) + ss,
+                             tl.full([BLOCK_D], D, tl.float32))
+            r = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+            x = bf16_rne(x * r * w).to(tl.float32)
+            xp = bf16_rne(xp * r * wp).to(tl.float32)
+        pos = tl.load(pos_ptr + row)
+        ok = (pos >= 0) & (pos < P)
+        rm = d < ROT
+        j = tl.where(d < half, d, d - half)
+        cos = tl.load(tab_ptr + pos * stride_tp + j, mask=rm & ok, other=0.0)
+        sin = tl.load(tab_ptr + pos * stride_tp + half + j, mask=rm & ok, other=0.0)
+        signed = tl.where(d < half, -xp, xp)  # first half: x1·cos − x2·sin
+        y = tl.where(rm, x * cos + signed * sin, x)
+        y = bf16_rne(tl.where(ok, y, float("nan")))
+        if is_q:
+            tl.store(q_ptr + row * stride_qr + head * stride_qh + d, y, mask=dm)
+        else:
+            tl.store(k_ptr + row * stride_kr + (head - HQ) * stride_kh + d, y, mask=dm)
+
+
+# --- wrapper -----------------------------------------------------------------------------------
+
+
+def _head_out(name, t, r, heads, d, device):
+    if t is None:
+        return torch.empty(r, heads, d, dtype=torch.bfloat16, device=device)
+    check_tensor(name, t, shape=(r, heads, d), dtypes=(torch.bfloat16,), device=device)
+    if t.stride(2) != 1:
+        raise ValueError(f"{name}: expected unit stride in the head dim, got {t.stride()}")
+    return t
+
+
+def qk_rope(
+    qkv: torch.Tensor,  # [R, W] bf16, or [S, R, W] fp32 split-K partials (linear_fp8_partials)
+    q_norm_weight: torch.Tensor | None,  # [D] bf16 / fp32; None (with k) = no QK-norm
+    k_norm_weight: torch.Tensor | None,  # [D]
+    positions: torch.Tensor,  # [R] int32 / int64 device; rows ≥ n never read
+    table: RopeTable,
+    n_live: torch.Tensor | None = None,  # device int32 [1]; None = all R rows
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    q_out: torch.Tensor | None = None,  # [R, Hq, D] bf16, unit stride in D
+    k_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
+    v_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
+    config: QkRopeLaunch | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """→ q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, D] bf16; rows ≥ n untouched."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() not in (2, 3):
+        raise ValueError("qkv: expected [R, W] bf16 or [S, R, W] fp32 partials, got "
+                         f"{getattr(qkv, 'shape', type(qkv).__name__)}")
+    want = torch.bfloat16 if qkv.dim() == 2 else torch.float32
+    check_tensor("qkv", qkv, dtypes=(want,))
+    dev = qkv.device
+    s = 1 if qkv.dim() == 2 else qkv.shape[0]
+    r, width = qkv.shape[-2], qkv.shape[-1]
+    if num_q_heads < 1 or num_kv_heads < 1:
+        raise ValueError(f"num_q_heads / num_kv_heads: expected >= 1, got {num_q_heads} / "
+                         f"{num_kv_heads}")
+    heads = num_q_heads + 2 * num_kv_heads
+    if width % heads:
+        raise ValueError(f"qkv: width {width} is not (num_q_heads + 2·num_kv_heads) = {heads} "
+                         "times the head dim")
+    d = width // heads
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("q_norm_weight / k_norm_weight: give both or neither")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w is not None:
+            check_tensor(name, w, shape=(d,), dtypes=(torch.bfloat16, torch.float32), device=dev)
+    check_tensor("positions", positions, shape=(r,), dtypes=(torch.int32, torch.int64),
+                 device=dev)
+    if not isinstance(table, RopeTable):
+        raise ValueError(f"table: expected a RopeTable (kernels.qk_rope.rope_table), got "
+                         f"{type(table).__name__}")
+    rot = table.rotary_dim
+    if rot > d:
+        raise ValueError(f"table.rotary_dim: {rot} exceeds the head dim {d}")
+    check_tensor("table.cos_sin", table.cos_sin, shape=(None, rot), dtypes=(torch.float32,),
+                 device=dev)
+    if table.cos_sin.stride(1) != 1:
+        raise ValueError(f"table.cos_sin: expected unit column stride, got "
+                         f"{table.cos_sin.stride()}")
+    if not eps > 0:
+        raise ValueError(f"eps: expected > 0, got {eps}")
+    n = live_count(n_live, r, dev)
+    q = _head_out("q_out", q_out, r, num_q_heads, d, dev)
+    k = _head_out("k_out", k_out, r, num_kv_heads, d, dev)
+    v = _head_out("v_out", v_out, r, num_kv_heads, d, dev)
+    if r == 0:
+        return q, k, v
+    cfg = config or QkRopeLaunch()
+    qw = q_norm_weight if q_norm_weight is not None else table.cos_sin  # unread when NORM=False
+    kw = k_norm_weight if k_norm_weight is not None else table.cos_sin
+    _qk_rope_kernel[(r, heads)](
+        qkv, qw, kw, positions, table.cos_sin, n, q, k, v,
+        r, table.positions, float(eps),
+        qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), table.cos_sin.stride(0),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s,
+        NORM=q_norm_weight is not None, BLOCK_D=triton.next_power_of_2(d),
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return q, k, v

@@ -1,0 +1,416 @@
+"""kernels/qk_rope.py against its twin (reference/dense_twins.py qk_rope_ref): bit-exact for bf16
+qkv and for FP32 split-K partials, and close to the literal reference/model.py `_attn` path
+(ops.rms_norm + ops.rope) — rows "kernels.qk_rope*" of qualification/tolerances.py.
+
+Inputs: Gaussian qkv with per-head magnitudes 2^±8 (bf16, or FP32 partials), norm weights in
+[0.5, 1.5), positions up to the table's end (524287 for the per-rank case). Outputs are poisoned
+with payload NaNs; padding rows of qkv hold NaN and their positions are out of range.
+
+Dimension letters: R buffer rows, n live rows, S partials, Hq / Hkv heads, D head dim, P table
+positions, rot rotary dims.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.linear import LinearLaunch, linear_fp8, linear_fp8_partials
+from kernels.qk_rope import RopeTable, qk_rope, rope_table
+from qualification.tolerances import check, tolerance
+from reference import ops
+from reference.dense_twins import head_rms_norm_ref, qk_rope_ref
+
+EPS = 1e-6
+POISON = 0x7FE5  # a bf16 quiet NaN with a payload no arithmetic produces
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    hq: int
+    hkv: int
+    d: int
+    rot: int
+    theta: float
+    table_positions: int
+    rows: int
+    n_live: int
+    splits: int = 1  # 1: bf16 qkv; > 1: FP32 partials [S, R, W]
+    norm: bool = True
+    w_dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def width(self) -> int:
+        return (self.hq + 2 * self.hkv) * self.d
+
+
+CASES = (
+    Case("tiny-sliding-6of8", 12, 2, 32, 8, 1e4, 4096, 8, 6),
+    Case("tiny-full-partials3", 12, 2, 32, 8, 1e6, 4096, 8, 8, splits=3),
+    Case("odd-d24-rot6-fp32w", 3, 1, 24, 6, 1e4, 600, 3, 3, splits=2, w_dtype=torch.float32),
+    Case("rot-all-dims-no-norm", 2, 1, 16, 16, 1e4, 64, 4, 1, norm=False),
+    Case("rank-1of8-P524288", 6, 1, 128, 32, 1e6, 524288, 8, 1, splits=8),
+    Case("rank-5of8", 6, 1, 128, 32, 1e4, 8192, 8, 5),
+)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    qkv: torch.Tensor  # [R, W] bf16 or [S, R, W] fp32
+    q_w: torch.Tensor | None  # [D]
+    k_w: torch.Tensor | None
+    pos: torch.Tensor  # [R] int32
+    n: torch.Tensor  # [1] int32
+
+
+def make_inputs(case: Case, seed: int) -> Inputs:
+    gen = torch.Generator().manual_seed(seed)
+    r, heads, d, n = case.rows, case.hq + 2 * case.hkv, case.d, case.n_live
+    mag = torch.exp2(torch.randint(-8, 9, (r, heads, 1), generator=gen).float())
+    base = (torch.randn(r, heads, d, generator=gen) * mag).reshape(r, case.width)
+    if case.splits == 1:
+        qkv = base.clone()
+        qkv[n:] = float("nan")
+        qkv = qkv.bfloat16()
+    else:  # partials that sum to about base
+        qkv = torch.randn(case.splits, r, case.width, generator=gen) * base.abs()[None] / 2
+        qkv[0] += base
+        qkv[:, n:] = float("nan")
+    ws = [(torch.rand(d, generator=gen) + 0.5).to(case.w_dtype) for _ in range(2)]
+    last = case.table_positions - 1
+    pos = torch.randint(0, case.table_positions, (r,), generator=gen)
+    pos[: min(n, 2)] = torch.tensor([last, max(0, last - 4095)])[: min(n, 2)]  # the table's end
+    pos[n:] = -7  # never read
+    return Inputs(qkv, ws[0] if case.norm else None, ws[1] if case.norm else None,
+                  pos.to(torch.int32), torch.tensor([n], dtype=torch.int32))
+
+
+def poisoned(shape, device) -> torch.Tensor:
+    return torch.full(shape, POISON, dtype=torch.int16, device=device).view(torch.bfloat16)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.cpu().contiguous().view(torch.int16)
+
+
+def run_kernel(case: Case, inp: Inputs, table: RopeTable, device, **kw):
+    r = case.rows
+    outs = [poisoned((r, h, case.d), device) for h in (case.hq, case.hkv, case.hkv)]
+    dev = [None if t is None else t.to(device) for t in (inp.qkv, inp.q_w, inp.k_w, inp.pos,
+                                                           inp.n)]
+    got = qk_rope(dev[0], dev[1], dev[2], dev[3], table, dev[4], num_q_heads=case.hq,
+                  num_kv_heads=case.hkv, eps=EPS, q_out=outs[0], k_out=outs[1], v_out=outs[2],
+                  **kw)
+    for name, t in zip("qkv", got, strict=True):
+        live = t.cpu()[: case.n_live]
+        assert not torch.isnan(live).any(), f"{name}: live rows not fully written"
+        assert (bits(t[case.n_live :]) == POISON).all(), f"{name}: padding rows were written"
+    return tuple(t.cpu()[: case.n_live] for t in got)
+
+
+def twin(case: Case, inp: Inputs, table: RopeTable):
+    return qk_rope_ref(inp.qkv, inp.q_w, inp.k_w, inp.pos, table, inp.n, num_q_heads=case.hq,
+                       num_kv_heads=case.hkv, eps=EPS)
+
+
+def model_path(case: Case, inp: Inputs, theta: float | None = None):
+    """reference/model.py `_attn` in BF16 mode, line for line, on the live rows."""
+    n = case.n_live
+    qkv = inp.qkv[:, :n].sum(0) if inp.qkv.dim() == 3 else inp.qkv[:n]
+    qkv = qkv.bfloat16()
+    d, qs, kvs = case.d, case.hq * case.d, case.hkv * case.d
+    q = qkv[:, :qs].reshape(n, case.hq, d)
+    k = qkv[:, qs : qs + kvs].reshape(n, case.hkv, d)
+    v = qkv[:, qs + kvs :].reshape(n, case.hkv, d)
+    if case.norm:
+        q, k = ops.rms_norm(q, inp.q_w, EPS), ops.rms_norm(k, inp.k_w, EPS)
+    pos = inp.pos[:n].long()
+    theta = case.theta if theta is None else theta
+    return ops.rope(q, pos, case.rot, theta), ops.rope(k, pos, case.rot, theta), v
+
+
+def assert_bit_exact(got, want, what: str) -> None:
+    for name, a, b in zip("qkv", got, want, strict=True):
+        check(bits(a), bits(b), "kernels.qk_rope", "bf16")
+        assert a.dtype == b.dtype == torch.bfloat16, f"{what} {name}: dtype"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_qk_rope_matches_twin_bit_exactly(case, device):
+    inp = make_inputs(case, 60 + CASES.index(case))
+    table = rope_table(case.table_positions, case.rot, case.theta, device)
+    got = run_kernel(case, inp, table, device)
+    assert_bit_exact(got, twin(case, inp, table), case.name)
+    ref = model_path(case, inp)
+    for name, a, b in zip("qk", got, ref, strict=False):
+        m = check(a.float(), b.float(), "kernels.qk_rope.vs_reference", "bf16")
+        print(f"\n  [{case.name}] {name} vs model._attn: {m}, "
+              f"{int((bits(a) != bits(b)).sum())} of {a.numel()} differ")
+    assert torch.equal(bits(got[2]), bits(ref[2])), "v is the projection's bf16 value"
+
+
+def test_twin_vs_model_path_sweep():
+    """Pure torch: how often the FP64-sum norm of the twin and ops.rms_norm's FP32 mean give
+    different bf16 q/k after RoPE (the vs_reference row's mechanism), over 40 × 8 rows × 7 heads
+    × 128 dims at positions up to 524287."""
+    flips, total = 0, 0
+    for seed in range(40):
+        case = Case("sweep", 6, 1, 128, 32, 1e6, 524288, 8, 8)
+        inp = make_inputs(case, 1000 + seed)
+        flat = inp.qkv.float().reshape(8, 8, 128)
+        pos = inp.pos.long()
+        for x, w in ((flat[:, :6], inp.q_w), (flat[:, 6:7], inp.k_w)):
+            x = x.bfloat16()
+            ours = ops.rope(head_rms_norm_ref(x, w, EPS), pos, 32, 1e6)
+            ref = ops.rope(ops.rms_norm(x, w, EPS), pos, 32, 1e6)
+            check(ours.float(), ref.float(), "kernels.qk_rope.vs_reference", "bf16")
+            flips += int((bits(ours) != bits(ref)).sum())
+            total += ours.numel()
+    print(f"\n  twin vs model path: {flips} of {total} bf16 elements differ")
+    assert flips <= total // 10000, "the FP64-sum norm departs from ops.rms_norm too often"
+
+
+def test_partials_path_equals_reduced_bf16_path(device):
+    """qk_rope on linear_fp8_partials gives the bits of qk_rope on linear_fp8(out bf16): both
+    sum the partials s = 0 … S−1 and round once."""
+    case = Case("tiny-qkv", 12, 2, 32, 8, 1e4, 4096, 8, 7, splits=3)
+    gen = torch.Generator().manual_seed(70)
+    x = torch.randn(8, 384, generator=gen).bfloat16()
+    w, s = ops.quantize_block(torch.randn(case.width, 384, generator=gen))
+    xd, wd, sd = x.to(device), w.to(device), s.to(device)
+    n = torch.tensor([7], dtype=torch.int32, device=device)
+    cfg = LinearLaunch(64, 3)
+    part = linear_fp8_partials(xd, wd, sd, n, config=cfg)
+    flat = linear_fp8(xd, wd, sd, n, config=cfg)
+    assert part.shape[0] == 3
+    table = rope_table(4096, 8, 1e4, device)
+    base = make_inputs(case, 71)
+    via_part = run_kernel(case, Inputs(part.cpu(), base.q_w, base.k_w, base.pos, base.n), table,
+                          device)
+    via_flat = run_kernel(case, Inputs(flat.cpu(), base.q_w, base.k_w, base.pos, base.n), table,
+                          device)
+    assert_bit_exact(via_part, via_flat, "partials vs bf16")
+
+
+def rope_gptj(x: torch.Tensor, pos: torch.Tensor, rot: int, theta: float) -> torch.Tensor:
+    """Mutant: GPT-J interleaved pairs (2i, 2i+1) instead of NeoX halves."""
+    cos, sin = ops.rope_cos_sin(pos, rot, theta)
+    cos, sin = cos[:, None], sin[:, None]
+    xf = x.float().clone()
+    a, b = xf[..., 0:rot:2].clone(), xf[..., 1:rot:2].clone()
+    xf[..., 0:rot:2], xf[..., 1:rot:2] = a * cos - b * sin, b * cos + a * sin
+    return xf.to(x.dtype)
+
+
+def mutant(case: Case, inp: Inputs, kind: str):
+    """q (and k) as a broken kernel would produce them, else the twin's arithmetic."""
+    n, d = case.n_live, case.d
+    qkv = inp.qkv[:n].bfloat16()
+    q = qkv[:, : case.hq * d].reshape(n, case.hq, d)
+    k = qkv[:, case.hq * d : (case.hq + case.hkv) * d].reshape(n, case.hkv, d)
+    q_w, k_w = inp.q_w, inp.k_w
+    if kind == "q-norm weight as 1 + w":
+        q_w = 1.0 + q_w.float()
+    if kind == "k-norm weight on q":
+        q_w = k_w
+    q, k = head_rms_norm_ref(q, q_w, EPS), head_rms_norm_ref(k, k_w, EPS)
+    pos, rot, theta = inp.pos[:n].long(), case.rot, case.theta
+    if kind == "position off by one":
+        pos = pos + 1
+    if kind == "rotary over all head dims":
+        rot = d
+    if kind == "other layer type's RoPE base":
+        theta = 1e4 if theta == 1e6 else 1e6
+    rope = rope_gptj if kind == "GPT-J pairs" else ops.rope
+    return rope(q, pos, rot, theta), rope(k, pos, rot, theta)
+
+
+MUTANTS = ("GPT-J pairs", "rotary over all head dims", "q-norm weight as 1 + w",
+           "k-norm weight on q", "position off by one", "other layer type's RoPE base")
+
+
+def test_broken_variants_exceed_their_rows(device):
+    """Each mutant fails the exact row against the kernel and the vs_reference row against the
+    literal model path; a table built with the wrong base fails too (the twin reads no table)."""
+    case = Case("rank-6of8", 6, 1, 128, 32, 1e6, 8192, 8, 6)
+    inp = make_inputs(case, 81)
+    table = rope_table(case.table_positions, case.rot, case.theta, device)
+    got = run_kernel(case, inp, table, device)
+    ref = model_path(case, inp)
+    for kind in MUTANTS:
+        q, k = mutant(case, inp, kind)
+        with pytest.raises(AssertionError):
+            check(bits(q), bits(got[0]), "kernels.qk_rope", "bf16")
+        loose = [f"{t}: {err}" for t, a, b in (("q", q, ref[0]), ("k", k, ref[1]))
+                 for err in [_fails(a, b)] if err]
+        assert loose, f"{kind}: within kernels.qk_rope.vs_reference for both q and k"
+        print(f"\n  broken: {kind}: {loose[0]}")
+    wrong = rope_table(case.table_positions, case.rot, 1e4, device)
+    bad = run_kernel(case, inp, wrong, device)
+    with pytest.raises(AssertionError):
+        check(bits(bad[0]), bits(twin(case, inp, table)[0]), "kernels.qk_rope", "bf16")
+
+
+def _fails(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    try:
+        check(a.float(), b.float(), "kernels.qk_rope.vs_reference", "bf16")
+    except AssertionError as err:
+        return str(err).split(";")[0]
+    return None
+
+
+def test_positions_outside_the_table_give_nan_rows(device):
+    case = Case("tiny-oob", 12, 2, 32, 8, 1e4, 100, 4, 4)
+    inp = make_inputs(case, 90)
+    pos = inp.pos.clone()
+    pos[1], pos[3] = 100, -1
+    inp = Inputs(inp.qkv, inp.q_w, inp.k_w, pos, inp.n)
+    table = rope_table(100, 8, 1e4, device)
+    dev = [t.to(device) for t in (inp.qkv, inp.q_w, inp.k_w, inp.pos, inp.n)]
+    q, k, v = (t.cpu() for t in qk_rope(*dev[:4], table, dev[4], num_q_heads=12, num_kv_heads=2,
+                                          eps=EPS))
+    tq, tk, tv = twin(case, inp, table)
+    for got, want in ((q, tq), (k, tk)):
+        assert torch.isnan(got[[1, 3]]).all() and not torch.isnan(got[[0, 2]]).any()
+        assert torch.equal(bits(got[[0, 2]]), bits(want[[0, 2]]))
+        assert torch.isnan(want[[1, 3]]).all()
+    assert torch.equal(bits(v), bits(tv))
+
+
+def test_wrapper_errors(device):
+    case = CASES[0]
+    inp = make_inputs(case, 3)
+    table = rope_table(64, 8, 1e4, device)
+    qkv, qw, kw, pos = (t.to(device) for t in (inp.qkv, inp.q_w, inp.k_w, inp.pos))
+    kw_args = dict(num_q_heads=12, num_kv_heads=2, eps=EPS)
+    with pytest.raises(ValueError, match="qkv: expected dtype"):
+        qk_rope(qkv.float(), qw, kw, pos, table, **kw_args)
+    with pytest.raises(ValueError, match="not .* times the head dim"):
+        qk_rope(qkv[:, :-1], qw, kw, pos, table, **kw_args)
+    with pytest.raises(ValueError, match=r"q_norm_weight: expected shape \(32,\)"):
+        qk_rope(qkv, qw[:16], kw, pos, table, **kw_args)
+    with pytest.raises(ValueError, match="give both or neither"):
+        qk_rope(qkv, qw, None, pos, table, **kw_args)
+    with pytest.raises(ValueError, match=r"positions: expected shape \(8,\)"):
+        qk_rope(qkv, qw, kw, pos[:3], table, **kw_args)
+    with pytest.raises(ValueError, match="positions: expected dtype"):
+        qk_rope(qkv, qw, kw, pos.float(), table, **kw_args)
+    with pytest.raises(ValueError, match="table.rotary_dim: 64 exceeds the head dim 32"):
+        qk_rope(qkv, qw, kw, pos, rope_table(4, 64, 1e4, device), **kw_args)
+    with pytest.raises(ValueError, match="table: expected a RopeTable"):
+        qk_rope(qkv, qw, kw, pos, table.cos_sin, **kw_args)
+    with pytest.raises(ValueError, match=r"k_out: expected shape \(8, 2, 32\)"):
+        qk_rope(qkv, qw, kw, pos, table, k_out=torch.empty(8, 1, 32, dtype=torch.bfloat16,
+                                                           device=device), **kw_args)
+    with pytest.raises(ValueError, match="eps: expected > 0"):
+        qk_rope(qkv, qw, kw, pos, table, num_q_heads=12, num_kv_heads=2, eps=0.0)
+    with pytest.raises(ValueError, match="rotary_dim must be even"):
+        rope_table(8, 7, 1e4, device)
+
+
+def test_rows_are_in_the_table():
+    assert tolerance("kernels.qk_rope", "bf16").exact
+    assert not tolerance("kernels.qk_rope.vs_reference", "bf16").exact
+
+
+SM90_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import qk_rope
+
+fn = qk_rope._qk_rope_kernel
+sig = dict(qkv_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", pos_ptr="*i32", tab_ptr="*fp32",
+           n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", eps="fp32")
+const = dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128)
+res = {}
+for fusion in (False, True):
+    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=1, enable_fp_fusion=fusion))
+    ptx = k.asm["ptx"]
+    res[str(fusion)] = {t: len(re.findall(t, ptx)) for t in (
+        r"fma\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
+        r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64")}
+print(json.dumps(res))
+"""
+
+
+def test_qk_rope_compiles_for_sm90_without_fma():
+    """Without a GPU: compiled for sm_90 as the wrapper launches it (enable_fp_fusion=False), the
+    kernel has no FMA, IEEE div.rn / sqrt.rn, and an FP64 sum; with fusion on, FMAs appear
+    (so the first check can fail)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    print(f"\n  sm_90: {got}")
+    off, on = got["False"], got["True"]
+    assert off["fma\\.rn\\.f32"] == 0, "FMA contraction in the launched variant"
+    assert on["fma\\.rn\\.f32"] > 0, "control: fusion on must contract (else the check is vacuous)"
+    assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 1
+    assert off["div\\.full"] == off["div\\.approx"] == off["sqrt\\.approx"] == off["rsqrt"] == 0
+    assert off["add\\.(rn\\.)?f64"] > 0
+
+
+# --- GPU only -----------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+@pytest.mark.parametrize("theta", [1e6, 1e4])
+def test_rank_shape_with_full_table(n_live, theta, device):
+    case = Case(f"rank-{n_live}of8", 6, 1, 128, 32, theta, 524288, 8, n_live, splits=8)
+    inp = make_inputs(case, 200 + n_live)
+    table = rope_table(524288, 32, theta, device)
+    got = run_kernel(case, inp, table, device)
+    assert_bit_exact(got, twin(case, inp, table), case.name)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_and_no_host_sync(device):
+    case = Case("rank-graph", 6, 1, 128, 32, 1e6, 4096, 8, 8, splits=8)
+    inp = make_inputs(case, 210)
+    table = rope_table(4096, 32, 1e6, device)
+    qkv, qw, kw, pos = (t.to(device) for t in (inp.qkv, inp.q_w, inp.k_w, inp.pos))
+    pos.copy_(torch.arange(1000, 1008, dtype=torch.int32, device=device))
+    n = torch.tensor([8], dtype=torch.int32, device=device)
+    outs = [poisoned((8, h, 128), device) for h in (6, 1, 1)]
+    args = dict(num_q_heads=6, num_kv_heads=1, eps=EPS, q_out=outs[0], k_out=outs[1],
+                v_out=outs[2])
+    qk_rope(qkv, qw, kw, pos, table, n, **args)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        qk_rope(qkv, qw, kw, pos, table, n, **args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qk_rope(qkv, qw, kw, pos, table, n, **args)
+    for live in (3, 8):
+        for t in outs:
+            t.copy_(poisoned(t.shape, device))
+        n.fill_(live)
+        graph.replay()
+        torch.cuda.synchronize()
+        case_n = Case("g", 6, 1, 128, 32, 1e6, 4096, 8, live, splits=8)
+        want = twin(case_n, Inputs(inp.qkv, inp.q_w, inp.k_w, pos.cpu(), torch.tensor([live])),
+                    table)
+        assert_bit_exact(tuple(t.cpu()[:live] for t in outs), want, f"graph n={live}")
+        assert all((bits(t[live:]) == POISON).all() for t in outs)
