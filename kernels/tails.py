@@ -1,0 +1,441 @@
+"""Residual + RMSNorm tails of a layer ≥ 1 with the rank-partial sum read by NaN readiness
+(kernels/readiness.py), and the router folded into the attention tail. Twins: reference/tails.py
+(`attn_tail_ref`, `moe_tail_ref`), which also lists the rounding points.
+
+attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll the N partials of row
+  r, a = bf16(Σ), an, h32, h, f_in as in reference/model.py; with the router also the FP32 router
+  input rms_norm(h32, ffn_norm) into a NaN-armed scratch row. Then *router programs* (slots R…),
+  one per block of experts, each wait for those scratch rows (NaN readiness again, inside this
+  kernel), compute FP32 logits for all live rows, and the last of them to finish (an acq_rel
+  counter) does softmax → top-k → renormalize and publishes ids/weights.
+  Scratch invariant between launches: r_in all NaN, counter 0 — the last router program restores
+  both; launches of one stream never overlap, so the next launch starts from it.
+  A router program only waits on row programs, which have lower program ids and are dispatched
+  first (and at R + E/block_e ≤ 72 programs all are co-resident on the H200's 132 SMs), so the
+  in-kernel wait cannot deadlock.
+MoE tail: row programs only: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)).
+
+Row programs of padding rows (r ≥ n_live) poll row 0 instead of their own: they need the evidence
+for re-arming (kernels/readiness.py (1)), not the data. Padding rows of h, f_in, x, xn', ids,
+weights are never read or written; padding rows of the ring buffer are re-armed ((4) there).
+
+Rounding by hand: the Triton interpreter's fp32→bf16 cast truncates, so kernels.fp8.bf16_rne
+snaps to the bf16 grid first. rsqrt is 1/sqrt with IEEE div and sqrt (torch.rsqrt on the CPU is
+exactly that); mean = sum / H with IEEE div. FMA contraction is off (enable_fp_fusion=False) so
+xn + an·scale and h + f·scale round twice, as in torch. What remains vs the twin: the order of the
+sum of squares in each norm and of the router GEMM, and exp in the softmax.
+
+Dimension letters: N partials, R rows (≤ route_rows), H hidden, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import bf16_rne, check_tensor, live_count
+from kernels.readiness import ready_row, wait_ready
+from reference.tails import AttnTailOut, MoeTailOut
+
+MAX_PARTIALS = 16
+
+
+@triton.jit
+def _bf16(x):
+    return bf16_rne(x).to(tl.float32)
+
+
+@triton.jit
+def _rms(x, w, eps, HIDDEN: tl.constexpr):
+    """x · (1/sqrt(sum(x²)/H + eps)) · w, in that order (masked columns of x hold 0)."""
+    ms = tl.div_rn(tl.sum(x * x, axis=0), tl.full([], HIDDEN, tl.float32))
+    inv = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+    return x * inv * w
+
+
+@triton.jit
+def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+                  stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
+                  HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
+                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route."""
+    ea = tl.arange(0, BLOCK_EALL)
+    eam = ea < EXPERTS
+    lm = rl[:, None] & eam[None, :]
+    lg = tl.load(logit_ptr + rows[:, None] * EXPERTS + ea[None, :], mask=lm,
+                 other=float("-inf"), volatile=True)  # [RR, EALL]
+    finite = (lg == lg) & (tl.abs(lg) < float("inf"))
+    valid = tl.min((finite | ~eam[None, :]).to(tl.int32), axis=1) == 1  # [RR]
+    m = tl.where(rl, tl.max(lg, axis=1), 0.0)  # dead rows: no -inf - -inf
+    p = tl.exp(lg - m[:, None])
+    s = tl.where(rl, tl.sum(p, axis=1), 1.0)
+    p = tl.div_rn(p, tl.broadcast_to(s[:, None], p.shape))
+    p = tl.where(eam[None, :], p, -1.0)
+    kc = tl.arange(0, BLOCK_TOPK)
+    top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
+    top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, axis=1)
+        idx = tl.min(tl.where(p == best[:, None], ea[None, :], BLOCK_EALL), axis=1)
+        top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
+        top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
+        p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
+    wsum = tl.where(rl, tl.sum(top_p, axis=1), 1.0)
+    w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))
+    w = tl.where(valid[:, None], w, float("nan"))
+    ids = tl.where(valid[:, None], top_i, -1)
+    km = rl[:, None] & (kc[None, :] < TOP_K)
+    tl.store(ids_ptr + rows[:, None] * stride_ir + kc[None, :] * stride_ik, ids, mask=km)
+    tl.store(wts_ptr + rows[:, None] * stride_wr + kc[None, :] * stride_wk, w, mask=km)
+    tl.store(flag_ptr, 1, mask=tl.sum((rl & ~valid).to(tl.int32), axis=0) > 0)
+    # restore the scratch invariant: r_in NaN (rows written this launch), counter 0
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        nan = tl.full([rows.shape[0], BLOCK_K], float("nan"), tl.float32)
+        tl.store(rin_ptr + rows[:, None] * HIDDEN + kk[None, :], nan,
+                 mask=rl[:, None] & (kk < HIDDEN)[None, :])
+    tl.store(cnt_ptr, 0)
+
+
+@triton.jit
+def _attn_row_program(
+    part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
+    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
+    row, n, eps, scale, max_polls,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
+    WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < HIDDEN
+    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar,
+                                 polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
+                                 NPART, REARM, WRITE_POLLS)
+    m = cmask & live
+    a = _bf16(acc)  # the o_proj output a
+    w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    w_ffn = tl.load(w_ffn_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    an = _bf16(_rms(a, w_aon, eps, HIDDEN))
+    xn = tl.load(xn_ptr + row * stride_xr + cols, mask=m, other=0.0).to(tl.float32)
+    h32 = xn + an * scale
+    h = _bf16(h32)
+    f = _bf16(_rms(h, w_ffn, eps, HIDDEN))
+    h = tl.where(ready != 0, h, float("nan"))
+    f = tl.where(ready != 0, f, float("nan"))
+    tl.store(h_ptr + row * stride_hr + cols, h.to(tl.bfloat16), mask=m)
+    tl.store(f_ptr + row * stride_fr + cols, f.to(tl.bfloat16), mask=m)
+    if ROUTER:
+        # un-rounded FP32 router input; +inf on failure so router programs do not wait for it
+        r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
+        tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
+
+
+@triton.jit
+def _router_program(
+    rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
+    stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls,
+    HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Experts [j·BLOCK_E, (j+1)·BLOCK_E) for all live rows; the last one to finish routes."""
+    rows = tl.arange(0, ROUTE_ROWS)
+    rl = rows < n
+    e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = e < EXPERTS
+    acc = tl.zeros([ROUTE_ROWS, BLOCK_E], tl.float32)
+    ok = tl.full([], 1, tl.int32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < HIDDEN
+        r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                            rl[:, None] & km[None, :], max_polls)  # [RR, BK]
+        ok = ok & got
+        w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                    mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
+        acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
+    tl.store(flag_ptr, 1, mask=ok == 0)
+    acc = tl.where(ok != 0, acc, float("nan"))
+    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
+             mask=rl[:, None] & em[None, :])
+    # release: every thread's logits are stored before the counter moves
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_router - 1:
+        _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+                      stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
+                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K)
+
+
+@triton.jit
+def _attn_tail_kernel(
+    part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr,
+    n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr,
+    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
+    stride_ir, stride_ik, stride_wr, stride_wk,
+    ROWS, eps, scale, max_polls,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
+    WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, EXPERTS: tl.constexpr,
+    BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+    ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n = tl.load(n_live_ptr)
+    if pid < ROWS:
+        _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
+                          polls_ptr, flag_ptr, rin_ptr,
+                          stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
+                          pid, n, eps, scale, max_polls,
+                          HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER)
+    elif ROUTER:
+        _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
+                        stride_ir, stride_ik, stride_wr, stride_wk,
+                        pid - ROWS, tl.num_programs(0) - ROWS, n, max_polls,
+                        HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
+                        BLOCK_K)
+
+
+@triton.jit
+def _moe_tail_kernel(
+    part_ptr, h_ptr, w_ptr, xn_ptr, x_ptr, rearm_ptr, polls_ptr, flag_ptr, n_live_ptr,
+    stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_ar,
+    eps, scale, max_polls,
+    HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
+    WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr,
+):
+    row = tl.program_id(0)
+    n = tl.load(n_live_ptr)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < HIDDEN
+    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr,
+                                 flag_ptr, row, n, cols, cmask, max_polls,
+                                 NPART, REARM, WRITE_POLLS)
+    m = cmask & live
+    f = _bf16(acc)  # the experts' output f
+    h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    x = _bf16(h + f * scale)
+    xn = _bf16(_rms(x, w, eps, HIDDEN))
+    xn = tl.where(ready != 0, xn, float("nan"))
+    tl.store(xn_ptr + row * stride_xnr + cols, xn.to(tl.bfloat16), mask=m)
+    if WRITE_X:
+        x = tl.where(ready != 0, x, float("nan"))
+        tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
+
+
+# --- launch configuration (pinned; no autotuning) ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TailLaunch:
+    num_warps: int = 8
+    route_rows: int = 8  # rows per router program; fixed so padded and exact widths match bits
+    block_e: int = 4  # experts per router program: E = 256 → 64 router programs
+    block_k: int = 128  # hidden columns per router step
+
+
+def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
+    return TailLaunch(block_e=4 if experts >= 64 else 8, block_k=min(128, _pow2(hidden)))
+
+
+def _pow2(x: int) -> int:
+    return triton.next_power_of_2(x)
+
+
+@dataclass(frozen=True)
+class RouterScratch:
+    """NaN-armed handoff from row programs to router programs (see the module docstring)."""
+
+    r_in: torch.Tensor  # [route_rows, H] fp32, all NaN between launches
+    logits: torch.Tensor  # [route_rows, E] fp32, the last launch's logits (live rows)
+    counter: torch.Tensor  # [1] int32, 0 between launches
+
+    @classmethod
+    def create(cls, hidden: int, experts: int, device, route_rows: int = 8) -> RouterScratch:
+        return cls(
+            torch.full((route_rows, hidden), float("nan"), dtype=torch.float32, device=device),
+            torch.full((route_rows, experts), float("nan"), dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
+        )
+
+    def reset(self) -> None:
+        """After a failure flag (device synchronized): restore the invariant."""
+        self.r_in.fill_(float("nan"))
+        self.counter.zero_()
+
+
+# --- wrappers ----------------------------------------------------------------------------------
+
+
+def _check_rows(name: str, t, rows: int, hidden: int, dtypes, device) -> None:
+    check_tensor(name, t, shape=(rows, hidden), dtypes=dtypes, device=device)
+    if t.stride(1) != 1:
+        raise ValueError(f"{name}: expected unit column stride, got strides {t.stride()}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses a strided tensor can touch."""
+    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def _check_common(partials, n_live, fail_flag, max_polls, rearm, polls, cfg):
+    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
+    npart, rows, hidden = partials.shape
+    dev = partials.device
+    if not 1 <= npart <= MAX_PARTIALS:
+        raise ValueError(f"partials: expected 1..{MAX_PARTIALS} partials (dim 0), got {npart}")
+    if not 1 <= rows <= cfg.route_rows:
+        raise ValueError(f"partials: expected 1..{cfg.route_rows} rows (dim 1), got {rows}")
+    if hidden < 1 or partials.stride(2) != 1:
+        raise ValueError(f"partials: expected H >= 1 with unit stride, got shape "
+                         f"{tuple(partials.shape)} strides {partials.stride()}")
+    n = live_count(n_live, rows, dev)
+    check_tensor("fail_flag", fail_flag, shape=(1,), dtypes=(torch.int32,), device=dev)
+    if not isinstance(max_polls, int) or not 1 <= max_polls < 2**31:
+        raise ValueError(f"max_polls: expected an int in [1, 2^31), got {max_polls!r}")
+    if rearm is not None:
+        _check_rows("rearm", rearm, rows, hidden, (partials.dtype,), dev)
+        (a0, a1), (b0, b1) = _span(rearm), _span(partials)
+        if a0 < b1 and b0 < a1:
+            raise ValueError("rearm: overlaps the partials being consumed; a consumer re-arms "
+                             "an older slot, never the one it reads (kernels/readiness.py (1))")
+    if polls is not None:
+        check_tensor("polls", polls, shape=(rows,), dtypes=(torch.int32,), device=dev)
+    return npart, rows, hidden, n
+
+
+def attn_tail(
+    partials: torch.Tensor,  # [N, R, H] fp32 | bf16 o_proj partials (a ring slot); NaN = unwritten
+    xn: torch.Tensor,  # [R, H] bf16 this layer's normalized input
+    attn_out_norm: torch.Tensor,  # [H] bf16 | fp32
+    ffn_norm: torch.Tensor,  # [H] bf16 | fp32 feed_forward_norm
+    n_live: torch.Tensor | None,  # device int32 [1], 1..R; None = all rows
+    fail_flag: torch.Tensor,  # device int32 [1]; set to 1 on a readiness timeout, never cleared
+    *,
+    eps: float,
+    attn_out_scale: float,
+    max_polls: int,
+    rearm: torch.Tensor | None = None,  # [R, H] own buffer of step t − lag (kernels/readiness.py)
+    router_w: torch.Tensor | None = None,  # [E, H] fp32, contiguous
+    top_k: int = 0,
+    scratch: RouterScratch | None = None,
+    out: AttnTailOut | None = None,
+    polls: torch.Tensor | None = None,  # [R] int32: polls each row program made
+    config: TailLaunch | None = None,
+) -> AttnTailOut:
+    """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
+    reference.tails.attn_tail_ref, padding rows untouched."""
+    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
+    if router_w is not None:
+        check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,),
+                     device=partials.device)
+    cfg = config or tail_launch(partials.shape[-1], 0 if router_w is None else router_w.shape[0])
+    npart, rows, hidden, n = _check_common(partials, n_live, fail_flag, max_polls, rearm, polls,
+                                           cfg)
+    dev = partials.device
+    _check_rows("xn", xn, rows, hidden, (torch.bfloat16,), dev)
+    for name, w in (("attn_out_norm", attn_out_norm), ("ffn_norm", ffn_norm)):
+        check_tensor(name, w, shape=(hidden,), dtypes=(torch.bfloat16, torch.float32), device=dev)
+        if w.stride(0) != 1:
+            raise ValueError(f"{name}: expected a contiguous vector")
+    router = router_w is not None
+    experts = 0
+    if router:
+        experts = router_w.shape[0]
+        if router_w.shape[1] != hidden or not router_w.is_contiguous():
+            raise ValueError(f"router_w: expected contiguous [E, {hidden}], got shape "
+                             f"{tuple(router_w.shape)} strides {router_w.stride()}")
+        if not 1 <= top_k <= min(experts, 16):
+            raise ValueError(f"top_k: expected 1..{min(experts, 16)}, got {top_k}")
+        if scratch is None:
+            scratch = RouterScratch.create(hidden, experts, dev, cfg.route_rows)
+        check_tensor("scratch.r_in", scratch.r_in, shape=(cfg.route_rows, hidden),
+                     dtypes=(torch.float32,), device=dev)
+        check_tensor("scratch.logits", scratch.logits, shape=(cfg.route_rows, experts),
+                     dtypes=(torch.float32,), device=dev)
+        check_tensor("scratch.counter", scratch.counter, shape=(1,), dtypes=(torch.int32,),
+                     device=dev)
+        if not (scratch.r_in.is_contiguous() and scratch.logits.is_contiguous()):
+            raise ValueError("scratch: r_in and logits must be contiguous")
+    elif top_k or scratch is not None:
+        raise ValueError("top_k / scratch given without router_w")
+    if out is None:
+        out = AttnTailOut(torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev),
+                          torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev))
+    _check_rows("out.h", out.h, rows, hidden, (torch.bfloat16,), dev)
+    _check_rows("out.f_in", out.f_in, rows, hidden, (torch.bfloat16,), dev)
+    if router:
+        if out.ids is None:
+            out.ids = torch.empty(rows, top_k, dtype=torch.int32, device=dev)
+        if out.weights is None:
+            out.weights = torch.empty(rows, top_k, dtype=torch.float32, device=dev)
+        check_tensor("out.ids", out.ids, shape=(rows, top_k), dtypes=(torch.int32,), device=dev)
+        check_tensor("out.weights", out.weights, shape=(rows, top_k), dtypes=(torch.float32,),
+                     device=dev)
+    dummy = out.h
+    ids, wts = (out.ids, out.weights) if router else (dummy, dummy)
+    sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
+    n_route = triton.cdiv(experts, cfg.block_e) if router else 0
+    _attn_tail_kernel[(rows + n_route,)](
+        partials, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
+        dummy if rearm is None else rearm, dummy if polls is None else polls, fail_flag, n,
+        sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts,
+        partials.stride(0), partials.stride(1), xn.stride(0), out.h.stride(0),
+        out.f_in.stride(0), 0 if rearm is None else rearm.stride(0),
+        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
+        rows, eps, attn_out_scale, max_polls,
+        HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
+        WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
+        BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
+        ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+def moe_tail(
+    partials: torch.Tensor,  # [N, R, H] fp32 | bf16 expert-output partials; NaN = unwritten
+    h: torch.Tensor,  # [R, H] bf16 residual from the attention tail
+    next_norm: torch.Tensor,  # [H] next layer's attention_norm, or the final norm
+    n_live: torch.Tensor | None,
+    fail_flag: torch.Tensor,
+    *,
+    eps: float,
+    ffn_out_scale: float,
+    max_polls: int,
+    rearm: torch.Tensor | None = None,
+    out: MoeTailOut | None = None,  # out.x None: the layer output x is not written
+    polls: torch.Tensor | None = None,
+    config: TailLaunch | None = None,
+) -> MoeTailOut:
+    """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched."""
+    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
+    cfg = config or tail_launch(partials.shape[-1])
+    npart, rows, hidden, n = _check_common(partials, n_live, fail_flag, max_polls, rearm, polls,
+                                           cfg)
+    dev = partials.device
+    _check_rows("h", h, rows, hidden, (torch.bfloat16,), dev)
+    check_tensor("next_norm", next_norm, shape=(hidden,), dtypes=(torch.bfloat16, torch.float32),
+                 device=dev)
+    if next_norm.stride(0) != 1:
+        raise ValueError("next_norm: expected a contiguous vector")
+    if out is None:
+        out = MoeTailOut(torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev))
+    _check_rows("out.xn", out.xn, rows, hidden, (torch.bfloat16,), dev)
+    if out.x is not None:
+        _check_rows("out.x", out.x, rows, hidden, (torch.bfloat16,), dev)
+    x = out.xn if out.x is None else out.x
+    _moe_tail_kernel[(rows,)](
+        partials, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
+        out.xn if polls is None else polls, fail_flag, n,
+        partials.stride(0), partials.stride(1), h.stride(0), out.xn.stride(0), x.stride(0),
+        0 if rearm is None else rearm.stride(0),
+        eps, ffn_out_scale, max_polls,
+        HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
+        WRITE_POLLS=polls is not None, WRITE_X=out.x is not None,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,573 @@
+"""kernels/tails.py (attention tail + folded router, MoE tail) against the twins of
+reference/tails.py, the twins against reference/model.py ("bf16-fold"), broken variants, poisoned
+outputs and padding, and the sm_90 build. Readiness and the ring: test_readiness.py.
+
+Inputs: "grid" cases put the o_proj output a on a 1/16 grid (small integers split into integer
+parts over the N partials), so every partial sum and every sum of squares of a is exact in any
+order; an, h32 and h are then bit-exact on every backend and the router logits differ from the
+twin's only by GEMM accumulation order. "gauss" cases are plain normal data. Padding rows of the
+partials hold NaN or 3e38 and padding rows of xn / h hold NaN: any read of them shows. Outputs
+start as POISON; live rows must be overwritten and padding rows must keep it.
+
+Dimension letters: N partials, R rows, n live rows, H hidden, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail
+from qualification.tolerances import check, tolerance
+from reference import ops
+from reference.config import preset
+from reference.model import ReferenceModel
+from reference.synthetic import synthetic_params
+from reference.tails import (
+    AttnTailOut,
+    MoeTailOut,
+    attn_tail_ref,
+    attn_tail_router_input_ref,
+    moe_tail_ref,
+)
+
+EPS = 1e-6
+FFN_SCALE = 0.53881590608
+POISON = 12288.0  # exact in bf16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    npart: int
+    rows: int
+    n_live: int
+    hidden: int
+    experts: int = 0  # 0: no router
+    top_k: int = 0
+    grid: bool = True
+    part_dtype: torch.dtype = torch.float32
+    scale: float = 0.75  # attn_out_scale (1.0 in the model; 0.75 so a dropped scale shows)
+    strided: bool = False  # partials / xn / h as row-padded views
+
+
+CASES = (
+    Case("tiny-8of8-N1", 1, 8, 8, 128, 16, 4),
+    Case("tiny-5of8-N2", 2, 8, 5, 128, 16, 4),
+    Case("tiny-1of8-N8", 8, 8, 1, 128, 16, 4),
+    Case("tiny-6of8-N4-bf16parts", 4, 8, 6, 128, 16, 4, part_dtype=torch.bfloat16),
+    Case("tiny-3of4-N3-gauss", 3, 4, 3, 128, grid=False, scale=1.0),
+    # H not a power of two (masked columns, a partial router chunk), 3 router programs of 8,
+    # K = 3 (masked top-k lanes), R = 7
+    Case("odd-7of7-N3-strided", 3, 7, 7, 200, 24, 3, strided=True),
+    Case("medium-6of8-N4", 4, 8, 6, 1024, 64, 8),
+)
+REAL = Case("real-8of8-N8", 8, 8, 8, 3072, 256, 8)
+
+
+def make_inputs(case: Case, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    n, r, h, npart = case.n_live, case.rows, case.hidden, case.npart
+    if case.grid:
+        a_int = torch.randint(-64, 65, (r, h), generator=gen)
+        parts = torch.randint(-16, 17, (npart, r, h), generator=gen)
+        parts[-1] = a_int - parts[:-1].sum(0)
+        partials = parts.float() / 16  # exact in bf16 too (|int| ≤ 176)
+    else:
+        partials = torch.randn(npart, r, h, generator=gen) / npart**0.5
+    partials[:, n::2] = float("nan")  # padding rows: never produced …
+    partials[:, n + 1 :: 2] = 3e38  # … or garbage
+    xn = torch.randn(r, h, generator=gen)
+    xn[n:] = float("nan")
+    d = {
+        "partials": partials.to(case.part_dtype),
+        "xn": xn.bfloat16(),
+        "attn_out_norm": (1 + 0.05 * torch.randn(h, generator=gen)).bfloat16(),
+        "ffn_norm": (1 + 0.05 * torch.randn(h, generator=gen)).bfloat16(),
+        "next_norm": (1 + 0.05 * torch.randn(h, generator=gen)).bfloat16(),
+        "h": torch.where(torch.arange(r)[:, None] < n, torch.randn(r, h, generator=gen),
+                         float("nan")).bfloat16(),
+        "n_live": torch.tensor([n], dtype=torch.int32),
+    }
+    if case.experts:
+        d["router_w"] = torch.randn(case.experts, h, generator=gen) * 2 / h**0.5
+    return d
+
+
+def on(d: dict, device, strided: bool = False) -> dict:
+    """To the device; strided: partials, xn and h become views with row stride H + 37."""
+    out = {k: v.to(device) for k, v in d.items()}
+    if strided:
+        for k in ("partials", "xn", "h"):
+            v = out[k]
+            wide = torch.zeros(*v.shape[:-1], v.shape[-1] + 37, dtype=v.dtype, device=device)
+            wide[..., 5 : 5 + v.shape[-1]] = v
+            out[k] = wide[..., 5 : 5 + v.shape[-1]]
+            assert not out[k].is_contiguous()
+    return out
+
+
+def poisoned_attn_out(case: Case, device) -> AttnTailOut:
+    r, h, k = case.rows, case.hidden, case.top_k
+    full = lambda *s, dt=torch.bfloat16: torch.full(s, POISON, dtype=dt, device=device)  # noqa: E731
+    out = AttnTailOut(full(r, h), full(r, h))
+    if case.experts:
+        out.ids = torch.full((r, k), -7, dtype=torch.int32, device=device)
+        out.weights = full(r, k, dt=torch.float32)
+    return out
+
+
+def assert_written(t: torch.Tensor, n: int, what: str, poison=POISON) -> None:
+    t = t.cpu().float()
+    assert torch.isfinite(t[:n]).all() and (t[:n] != poison).all(), f"{what}: live rows not written"
+    assert (t[n:] == poison).all(), f"{what}: padding rows were written"
+
+
+def run_attn(case: Case, d: dict, device, config: TailLaunch | None = None):
+    """→ (kernel out, scratch, flag, polls, rearm buffer) on the device."""
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    polls = torch.zeros(case.rows, dtype=torch.int32, device=device)
+    rearm = torch.full((case.rows, case.hidden), 5.0, dtype=case.part_dtype, device=device)
+    scratch = (RouterScratch.create(case.hidden, case.experts, device)
+               if case.experts else None)
+    out = attn_tail(
+        d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"], flag,
+        eps=EPS, attn_out_scale=case.scale, max_polls=4, rearm=rearm,
+        router_w=d.get("router_w"), top_k=case.top_k, scratch=scratch,
+        out=poisoned_attn_out(case, device), polls=polls, config=config)
+    return out, scratch, flag, polls, rearm
+
+
+def twin_attn(case: Case, d: dict) -> AttnTailOut:
+    return attn_tail_ref(d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"],
+                         eps=EPS, attn_out_scale=case.scale, router_w=d.get("router_w"),
+                         top_k=case.top_k)
+
+
+def twin_logits(case: Case, d: dict) -> torch.Tensor:
+    r_in = attn_tail_router_input_ref(d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"],
+                                      d["n_live"], eps=EPS, attn_out_scale=case.scale)
+    return r_in @ d["router_w"].cpu().t()  # [n, E], the FP32 GEMM of ops.route
+
+
+def check_routing(case: Case, out: AttnTailOut, logits: torch.Tensor, twin_l: torch.Tensor,
+                  twin: AttnTailOut) -> dict[str, object]:
+    """Logits within band; ids exact vs ops.route on the kernel's logits; vs the twin's ids
+    wherever the top-k is not a near-tie (and near-tie rows still pick from the near-tied set)."""
+    n, k, e = case.n_live, case.top_k, case.experts
+    rep: dict[str, object] = {"logits": check(logits, twin_l, "kernels.router.logits", "fp32")}
+    w_own, ids_own = ops.route(logits, torch.eye(e), k)  # logits @ I is exact
+    check(out.ids.cpu()[:n], ids_own.to(torch.int32), "kernels.router.ids", "int32")
+    rep["weights"] = check(out.weights.cpu()[:n], w_own, "kernels.router.weights", "fp32")
+    band = 2 * tolerance("kernels.router.logits", "fp32").max_rel * twin_l.abs().max().item()
+    srt = twin_l.sort(dim=-1, descending=True, stable=True).values[:, : k + 1]
+    clear = ((srt[:, :-1] - srt[:, 1:]) > band).all(-1)  # [n]
+    ids = out.ids.cpu()[:n]
+    assert torch.equal(ids[clear], twin.ids[clear]), "ids differ from the twin on a clear top-k"
+    for row in torch.nonzero(~clear).flatten().tolist():
+        picked = twin_l[row, ids[row].long()]
+        assert (picked >= srt[row, k - 1] - band).all(), f"row {row}: picked outside the near-tie"
+    rep["near_tie_rows"] = f"{int((~clear).sum())} of {n} (band {band:.2e})"
+    return rep
+
+
+def run_case(case: Case, seed: int, device) -> dict[str, object]:
+    d_cpu = make_inputs(case, seed)
+    d = on(d_cpu, device, case.strided)
+    n = case.n_live
+    out, scratch, flag, polls, rearm = run_attn(case, d, device)
+    twin = twin_attn(case, d_cpu)
+    assert flag.item() == 0 and (polls.cpu() == 1).all(), (flag, polls)
+    assert torch.isnan(rearm.cpu().float()).all(), "re-arm must cover all R rows"
+    assert_written(out.h, n, "h")
+    assert_written(out.f_in, n, "f_in")
+    rep: dict[str, object] = {
+        "h": check(out.h.cpu()[:n], twin.h, "kernels.residual_norm.attn_tail", "bf16"),
+        "f_in": check(out.f_in.cpu()[:n], twin.f_in, "kernels.residual_norm.attn_tail", "bf16"),
+    }
+    if case.grid:
+        rep["h exact"] = check(out.h.cpu()[:n], twin.h, "kernels.residual_norm.exact", "bf16")
+    if case.experts:
+        assert_written(out.weights, n, "weights")
+        ids = out.ids.cpu()
+        assert (ids[:n] >= 0).all() and (ids[:n] < case.experts).all() and (ids[n:] == -7).all()
+        assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0, \
+            "scratch invariant (r_in NaN, counter 0) not restored"
+        rep |= check_routing(case, out, scratch.logits.cpu()[:n], twin_logits(case, d_cpu), twin)
+    # MoE tail on the same partials, with the layer output x written too
+    mo = MoeTailOut(torch.full((case.rows, case.hidden), POISON, dtype=torch.bfloat16,
+                               device=device),
+                    torch.full((case.rows, case.hidden), POISON, dtype=torch.bfloat16,
+                               device=device))
+    moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+             ffn_out_scale=FFN_SCALE, max_polls=4, out=mo, polls=polls)
+    mt = moe_tail_ref(d["partials"], d["h"], d["next_norm"], d["n_live"], eps=EPS,
+                      ffn_out_scale=FFN_SCALE)
+    assert flag.item() == 0
+    assert_written(mo.xn, n, "xn'")
+    assert_written(mo.x, n, "x")
+    rep["moe x exact"] = check(mo.x.cpu()[:n], mt.x, "kernels.residual_norm.exact", "bf16")
+    rep["moe xn'"] = check(mo.xn.cpu()[:n], mt.xn, "kernels.residual_norm.moe_tail", "bf16")
+    return rep
+
+
+def report(name: str, rep: dict, t0: float) -> None:
+    print(f"\n[{name}] {time.perf_counter() - t0:.2f}s")
+    for key, val in rep.items():
+        print(f"  {key}: {val}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_tails_match_twins(case, device):
+    t0 = time.perf_counter()
+    report(case.name, run_case(case, 10 + CASES.index(case), device), t0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_real_shape_matches_twins_gpu(n_live, device):
+    case = replace(REAL, name=f"real-{n_live}of8-N8", n_live=n_live)
+    t0 = time.perf_counter()
+    report(case.name, run_case(case, 50 + n_live, device), t0)
+    report(case.name + "-gauss-N1", run_case(replace(case, npart=1, experts=0, top_k=0,
+                                                     grid=False), 60 + n_live, device), t0)
+
+
+def test_padded_width_is_bit_identical(device):
+    """5 live rows in an 8-row buffer give the bits of a 5-row buffer (router included)."""
+    case = CASES[1]
+    d = on(make_inputs(case, 3), device)
+    padded, sp, *_ = run_attn(case, d, device)
+    exact_case = replace(case, rows=5)
+    de = {k: (v[:, :5] if k == "partials" else v[:5] if k in ("xn", "h") else v)
+          for k, v in d.items()}
+    exact, se, *_ = run_attn(exact_case, de, device)
+    for field in ("h", "f_in", "ids", "weights"):
+        a, b = getattr(padded, field)[:5].cpu(), getattr(exact, field).cpu()
+        assert torch.equal(a.view(torch.int8), b.view(torch.int8)), field
+    assert torch.equal(sp.logits[:5].cpu(), se.logits[:5].cpu())
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_and_no_host_sync_gpu(device):
+    """Both tails in one CUDA graph (no host sync inside), replayed for n_live 3, 8, 1: each
+    replay equals the twin, the scratch invariant holds and padding rows stay poisoned."""
+    case = replace(REAL, name="graph")
+    d_cpu = make_inputs(case, 70)
+    d = on(d_cpu, device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    scratch = RouterScratch.create(case.hidden, case.experts, device)
+    out = poisoned_attn_out(case, device)
+    mo = MoeTailOut(torch.empty(8, case.hidden, dtype=torch.bfloat16, device=device))
+    n_live = torch.tensor([8], dtype=torch.int32, device=device)
+    parts = d["partials"].nan_to_num(0.0)  # every row written (n_live varies per replay)
+
+    def both():
+        attn_tail(parts, d["xn"].nan_to_num(0.0), d["attn_out_norm"], d["ffn_norm"], n_live,
+                  flag, eps=EPS, attn_out_scale=1.0, max_polls=1 << 20,
+                  router_w=d["router_w"], top_k=8, scratch=scratch, out=out)
+        moe_tail(parts, out.h, d["next_norm"], n_live, flag, eps=EPS, ffn_out_scale=FFN_SCALE,
+                 max_polls=1 << 20, out=mo)
+
+    both()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        both()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        both()
+    for live in (3, 8, 1):
+        for t in (out.h, out.f_in, out.weights):
+            t.fill_(POISON)
+        n_live.fill_(live)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert flag.item() == 0
+        twin = attn_tail_ref(parts.cpu(), d_cpu["xn"].nan_to_num(0.0), d_cpu["attn_out_norm"],
+                             d_cpu["ffn_norm"], live, eps=EPS, attn_out_scale=1.0,
+                             router_w=d_cpu["router_w"], top_k=8)
+        assert_written(out.h, live, f"h (n={live})")
+        check(out.h.cpu()[:live], twin.h, "kernels.residual_norm.exact", "bf16")
+        check(out.f_in.cpu()[:live], twin.f_in, "kernels.residual_norm.attn_tail", "bf16")
+        w_own, ids_own = ops.route(scratch.logits.cpu()[:live], torch.eye(case.experts), 8)
+        check(out.ids.cpu()[:live], ids_own.int(), "kernels.router.ids", "int32")
+        check(out.weights.cpu()[:live], w_own, "kernels.router.weights", "fp32")
+        assert torch.isnan(scratch.r_in).all() and scratch.counter.item() == 0
+        mt = moe_tail_ref(parts.cpu(), out.h.cpu(), d_cpu["next_norm"], live, eps=EPS,
+                          ffn_out_scale=FFN_SCALE)
+        check(mo.xn.cpu()[:live], mt.xn, "kernels.residual_norm.moe_tail", "bf16")
+
+
+@pytest.mark.gpu
+def test_bench_attn_tail_router(benchmark):
+    """Attention tail + folded router, 6 live rows, N = 8 partials, H 3072, E 256, K 8; a graph
+    of 40 calls cycling 40 router copies (120 MB ≫ L2). Divide the reported time by 40."""
+    from benchmarks.bench_tails import Spec, build, capture_graph, check_against_twin, kernel_call
+
+    p = build(Spec("attn+router", rows=6, npart=8), torch.device("cuda"))
+    check_against_twin(p)
+    graph = capture_graph([kernel_call(p, j) for j in range(len(p.router_w))], reps=40)
+
+    def step():
+        graph.replay()
+        torch.cuda.synchronize()
+
+    benchmark(step)
+    assert p.flag.item() == 0
+
+
+# --- broken variants: each tolerance row shown failing --------------------------------------
+
+
+def mutant_attn(case: Case, d: dict, *, unrounded_f_in=False, unrounded_an=False, scale=None,
+                bf16_router=False):
+    """attn_tail_ref with one rounding point or step broken → (h, f_in, logits) of live rows."""
+    n, p = case.n_live, d["partials"]
+    a = sum(p[i, :n].float() for i in range(p.shape[0])).bfloat16()
+    an = ops.rms_norm(a, d["attn_out_norm"], EPS,
+                      out_dtype=torch.float32 if unrounded_an else None)
+    h32 = d["xn"][:n].float() + an.float() * (case.scale if scale is None else scale)
+    h = h32.bfloat16()
+    f_in = ops.rms_norm(h32 if unrounded_f_in else h, d["ffn_norm"], EPS,
+                        out_dtype=torch.bfloat16)
+    logits = None
+    if case.experts:
+        r_in = f_in.float() if bf16_router else ops.rms_norm(h32, d["ffn_norm"], EPS)
+        logits = r_in @ d["router_w"].t()
+    return h, f_in, logits
+
+
+def fails(fn) -> str:
+    with pytest.raises(AssertionError) as err:
+        fn()
+    return str(err.value).split(";")[0]
+
+
+def test_broken_variants_exceed_their_rows(device):
+    case = Case("tiny-8of8-N2", 2, 8, 8, 128, 16, 4, grid=False)
+    d_cpu = make_inputs(case, 21)
+    d = on(d_cpu, device)
+    out, scratch, *_ = run_attn(case, d, device)
+    h, f_in = out.h.cpu(), out.f_in.cpu()
+    got: dict[str, str] = {}
+    row = "kernels.residual_norm.attn_tail"
+    _, f_bad, *_ = mutant_attn(case, d_cpu, unrounded_f_in=True)
+    got["f_in from FP32 h32"] = fails(lambda: check(f_in, f_bad, row, "bf16"))
+    h_bad, *_ = mutant_attn(case, d_cpu, unrounded_an=True)
+    got["an not rounded"] = fails(lambda: check(h, h_bad, row, "bf16"))
+    h_bad, *_ = mutant_attn(case, d_cpu, scale=1.0)
+    got["attn_out_scale dropped"] = fails(lambda: check(h, h_bad, row, "bf16"))
+
+    grid_case = replace(case, grid=True)
+    dg_cpu = make_inputs(grid_case, 22)
+    dg_cpu["router_w"][9] = dg_cpu["router_w"][3] = 3 * dg_cpu["router_w"][3]  # exact tie, top
+    og, sg, *_ = run_attn(grid_case, on(dg_cpu, device), device)
+    logits, ids = sg.logits.cpu(), og.ids.cpu()
+    n = grid_case.n_live
+    a = sum(dg_cpu["partials"][i, :n].float() for i in range(2)).bfloat16()
+    h32 = dg_cpu["xn"][:n].float() + ops.rms_norm(a, dg_cpu["attn_out_norm"], EPS).float() * 0.75
+    truncated = (h32.view(torch.int32) & -65536).view(torch.float32).bfloat16()  # exact cast
+    check(og.h.cpu(), h32.bfloat16(), "kernels.residual_norm.exact", "bf16")
+    got["h by truncation"] = fails(
+        lambda: check(og.h.cpu(), truncated, "kernels.residual_norm.exact", "bf16"))
+    assert torch.equal(logits[:, 3], logits[:, 9])
+    _, _, l_bad = mutant_attn(grid_case, dg_cpu, bf16_router=True)
+    got["router on bf16 f_in"] = fails(
+        lambda: check(logits, l_bad, "kernels.router.logits", "fp32"))
+    probs = torch.softmax(logits, -1).sort(dim=-1, descending=True, stable=True).values[:, :4]
+    got["weights not renormalized"] = fails(
+        lambda: check(og.weights.cpu(), probs, "kernels.router.weights", "fp32"))
+    check(ids, ops.route(logits, torch.eye(16), 4)[1].int(), "kernels.router.ids", "int32")
+    high_first = 15 - ops.route(logits.flip(-1), torch.eye(16), 4)[1].int()
+    got["ties by higher index"] = fails(
+        lambda: check(ids, high_first, "kernels.router.ids", "int32"))
+
+    # MoE tail
+    mo = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"],
+                  torch.zeros(1, dtype=torch.int32, device=device), eps=EPS,
+                  ffn_out_scale=FFN_SCALE, max_polls=2).xn.cpu()
+    f = sum(d_cpu["partials"][i].float() for i in range(2))
+    x32 = d_cpu["h"].float() + f.bfloat16().float() * FFN_SCALE
+    got["xn' from FP32 x"] = fails(lambda: check(
+        mo, ops.rms_norm(x32, d_cpu["next_norm"], EPS, out_dtype=torch.bfloat16),
+        "kernels.residual_norm.moe_tail", "bf16"))
+    x_f = (d_cpu["h"].float() + f * FFN_SCALE).bfloat16()
+    got["f not rounded"] = fails(lambda: check(
+        mo, ops.rms_norm(x_f, d_cpu["next_norm"], EPS), "kernels.residual_norm.moe_tail", "bf16"))
+    for key, val in got.items():
+        print(f"\n  broken: {key}: {val}")
+
+
+# --- the twins are reference/model.py's layer ≥ 1 ("bf16-fold") -----------------------------
+
+
+def test_twins_reproduce_reference_model_bf16_fold():
+    """The target forward rebuilt from the twins (attention and experts from the reference)
+    gives bit-identical logits and hidden state to ReferenceModel(precision="bf16-fold"): the
+    twins round exactly where model.py does. Also shows "bf16-fold" differs from "bf16"."""
+    cfg = preset("tiny")
+    t = cfg.target
+    model = ReferenceModel(cfg, synthetic_params(cfg, 0), "bf16-fold")
+    p, eps = model.p, t.rms_norm_eps
+    tokens = torch.randint(0, t.vocab_size, (6,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(6)
+    want = model.target(tokens, pos)
+    n_live = torch.tensor([6], dtype=torch.int32)
+    x = p["model.embed_tokens.weight"][tokens]
+    xn = None
+    for i, kind in enumerate(t.layer_types):
+        pre = f"model.layers.{i}."
+        window, theta = (None, t.rope_theta) if kind == "full" else (t.sliding_window,
+                                                                    t.swa_rope_theta)
+        if i == 0:  # layer 0 (not a tail of this module): as model.py
+            xn0 = ops.rms_norm(x, p[pre + "attention_norm.weight"], eps)
+            a = model._attn(pre, xn0, pos, None, i, window, theta)
+            h = (x.float() + ops.rms_norm(a, p[pre + "attn_out_norm.weight"], eps).float())
+            h = h.bfloat16()
+            f_in = ops.rms_norm(h, p[pre + "feed_forward_norm.weight"], eps)
+            f = ops.swiglu(f_in, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"],
+                           p[pre + "mlp.down_proj.weight"])
+            x = (h.float() + ops.rms_norm(f, p[pre + "ffn_out_norm.weight"], eps).float())
+            xn = ops.rms_norm(x.bfloat16(), p["model.layers.1.attention_norm.weight"], eps)
+            continue
+        a = model._attn(pre, xn, pos, None, i, window, theta)  # bf16 o_proj output
+        at = attn_tail_ref(a.float()[None], xn, p[pre + "attn_out_norm.weight"],
+                           p[pre + "feed_forward_norm.weight"], n_live, eps=eps,
+                           attn_out_scale=t.attn_out_scale,
+                           router_w=p[pre + "mlp.router.weight"], top_k=t.num_experts_per_tok)
+        f = ops.moe(at.f_in, at.weights, at.ids.long(), p[pre + "mlp.experts.fc"],
+                    p[pre + "mlp.experts.proj"])
+        last = i == t.num_hidden_layers - 1
+        nxt = p["model.norm.weight"] if last else p[f"model.layers.{i + 1}.attention_norm.weight"]
+        xn = moe_tail_ref(f.float()[None], at.h, nxt, n_live, eps=eps,
+                          ffn_out_scale=t.ffn_out_scale).xn
+    logits = ops.linear(xn, p["lm_head.weight"], out_dtype=torch.float32)
+    assert torch.equal(xn, want.hidden) and torch.equal(logits, want.logits)
+    plain = ReferenceModel(cfg, synthetic_params(cfg, 0), "bf16").target(tokens, pos)
+    assert not torch.equal(plain.logits, want.logits), "bf16-fold must differ from bf16 here"
+
+
+def test_wrapper_errors(device):
+    case = CASES[1]
+    d = on(make_inputs(case, 5), device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    base = (d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"], flag)
+    kw = dict(eps=EPS, attn_out_scale=1.0, max_polls=2)
+
+    def call(*args, **extra):
+        return attn_tail(*args, **(kw | extra))
+
+    with pytest.raises(ValueError, match=r"partials: expected 1\.\.8 rows"):
+        call(d["partials"].repeat(1, 2, 1), *base[1:])
+    with pytest.raises(ValueError, match=r"partials: expected 1\.\.16 partials"):
+        call(d["partials"].repeat(9, 1, 1), *base[1:])
+    with pytest.raises(ValueError, match="partials: expected dtype"):
+        call(d["partials"].half(), *base[1:])
+    with pytest.raises(ValueError, match=r"xn: expected shape \(8, 128\)"):
+        call(base[0], d["xn"][:, :64], *base[2:])
+    with pytest.raises(ValueError, match="xn: expected dtype"):
+        call(base[0], d["xn"].float(), *base[2:])
+    with pytest.raises(ValueError, match=r"ffn_norm: expected shape \(128,\)"):
+        call(*base[:3], d["ffn_norm"][:64], *base[4:])
+    with pytest.raises(ValueError, match="n_live: expected dtype"):
+        call(*base[:4], d["n_live"].long(), flag)
+    with pytest.raises(ValueError, match="fail_flag: expected dtype"):
+        call(*base[:5], flag.float())
+    with pytest.raises(ValueError, match="max_polls: expected an int"):
+        call(*base, max_polls=0)
+    with pytest.raises(ValueError, match=r"rearm: expected shape \(8, 128\)"):
+        call(*base, rearm=d["xn"][:4].float())
+    with pytest.raises(ValueError, match="rearm: overlaps the partials being consumed"):
+        call(*base, rearm=d["partials"][1])
+    with pytest.raises(ValueError, match=r"router_w: expected contiguous \[E, 128\]"):
+        call(*base, router_w=d["router_w"][:, :64], top_k=4)
+    with pytest.raises(ValueError, match=r"top_k: expected 1\.\.16"):
+        call(*base, router_w=d["router_w"], top_k=0)
+    with pytest.raises(ValueError, match="top_k / scratch given without router_w"):
+        call(*base, top_k=4)
+    with pytest.raises(ValueError, match=r"h: expected shape \(8, 128\)"):
+        moe_tail(d["partials"], d["h"][:3], d["next_norm"], d["n_live"], flag, eps=EPS,
+                 ffn_out_scale=1.0, max_polls=1)
+
+
+# --- the compiled (non-interpreter) kernels build for sm_90 ------------------------------------
+
+
+def _compile_sm90() -> dict[str, dict[str, int]]:
+    """Compile both kernels at the real shape for sm_90 (Triton's bundled ptxas, no GPU);
+    count the PTX instructions the readiness protocol and the rounding rely on."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.tails as T
+
+    def build(fn, types, consts, warps=8):
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = types.get(name, "*fp32")
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[name] = "fp32" if name in ("eps", "scale") else "i32"
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "enable_fp_fusion": False})
+        ptx = k.asm["ptx"]
+        keys = ("ld.volatile.global", "atom.global.gpu.acq_rel", "bar.sync", "fma.rn.f32",
+                "sqrt.rn.f32", "div.rn.f32", "ex2.approx")
+        return {key: ptx.count(key) for key in keys}
+
+    bf, i32 = "*bf16", "*i32"
+    common = {"xn_ptr": bf, "w_aon_ptr": bf, "w_ffn_ptr": bf, "h_ptr": bf, "f_ptr": bf,
+              "polls_ptr": i32, "flag_ptr": i32, "n_live_ptr": i32, "cnt_ptr": i32,
+              "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf}
+    cfg = T.tail_launch(3072, 256)
+    stats = {}
+    for router in (True, False):  # fp32 partials with polls; bf16 partials without
+        parts = "*fp32" if router else bf
+        stats[f"attn_router{router}"] = build(
+            T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts}, {
+                "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
+                "WRITE_POLLS": router, "ROUTER": router, "EXPERTS": 256, "BLOCK_EALL": 256,
+                "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
+                "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k}, cfg.num_warps)
+    stats["moe"] = build(T._moe_tail_kernel, common, {
+        "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True, "WRITE_POLLS": False,
+        "WRITE_X": True}, cfg.num_warps)
+    return stats
+
+
+def test_compiled_kernels_build_for_sm90():
+    """Under TRITON_INTERPRET the kernels are not compilable, hence a fresh process. The polls
+    must be volatile loads, the router handoff an acq_rel atomic after a barrier, the norms use
+    IEEE sqrt/div, and no FMA may contract the residual adds."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    print(stats)
+    for name, s in stats.items():
+        assert s["ld.volatile.global"] > 0 and s["fma.rn.f32"] == 0, (name, s)
+        assert s["sqrt.rn.f32"] > 0 and s["div.rn.f32"] > 0, (name, s)
+    assert stats["attn_routerTrue"]["atom.global.gpu.acq_rel"] == 1
+    assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_sm90()))
