@@ -102,17 +102,30 @@ def candidates(kind: str) -> list[AttentionConfig]:
     return out
 
 
+def combine_candidates(kind: str) -> list[AttentionConfig]:
+    """Second pass: the best split shapes of the first pass × combine load batching."""
+    splits = ((64, 66, 3),) if kind == "ring" else ((64, 132, 3), (64, 132, 4), (64, 96, 4))
+    return [
+        AttentionConfig(block_n=bn, num_splits=ns, min_tiles_per_split=2, num_warps=4,
+                        num_stages=st, combine_heads=hb, combine_unroll=un, combine_warps=cw)
+        for (bn, ns, st), un, cw, hb in itertools.product(splits, (4, 8, 16), (1, 4), (1, 2))
+    ]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, default=Path("sweep_attention.json"))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--combine", action="store_true", help="second pass: combine batching")
     a = ap.parse_args(argv)
-    cases = [Case("full", 4096, 6), Case("full", 65536, 6), Case("full", 131072, 6),
-             Case("ring", 2 * 4160 + 1000, 6)]
+    pick = combine_candidates if a.combine else candidates
+    cases = [Case("full", 65536, 6), Case("full", 131072, 6), Case("ring", 2 * 4160 + 1000, 6)]
+    if not a.combine:
+        cases.insert(0, Case("full", 4096, 6))
     rows = []
     for case in cases:
         bufs = build(case)
-        for cfg in candidates(case.kind):
+        for cfg in pick(case.kind):
             try:
                 r = time_config(case, bufs, cfg, a.reps)
             except Exception as e:  # a config that does not compile or fits no shared memory
@@ -120,7 +133,8 @@ def main(argv=None) -> int:
             rows.append(r)
             c = r["config"]
             tag = (f"{case.kind} {case.context // 1024}K bn{c['block_n']} s{c['num_splits']} "
-                   f"st{c['num_stages']} w{c['num_warps']}")
+                   f"st{c['num_stages']} w{c['num_warps']} u{c['combine_unroll']} "
+                   f"cw{c['combine_warps']} hb{c['combine_heads']}")
             if "error" in r:
                 print(f"{tag:<36} ERROR {r['error']}", flush=True)
             else:

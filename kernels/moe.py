@@ -60,14 +60,15 @@ class MoeLaunch:
 
 
 def moe_launch(hidden: int, inter: int) -> MoeLaunch:
-    """Pinned: a pure function of the shape, no autotuning. Per TP8 rank (H 3072, I 192) this is
-    16-channel gate/up tiles (12 per expert) and 64-channel down tiles (48 per expert), so one
-    row's 8 experts already give 96 / 384 programs for the 132 SMs. Untuned: set after the first
-    H200 measurement (benchmarks/bench_moe.py)."""
+    """Pinned: a pure function of the shape, no autotuning. Chosen on the H200 by
+    benchmarks/sweep_moe.py (reports/benchmarks/h200-2026-11-29/sweep_moe.log): per TP8 rank
+    (H 3072, I 192) 32-channel gate/up tiles with a 3-stage pipeline and 128-channel down tiles
+    were fastest at 1 and 6 rows (38.0 / 50.8 µs vs 40.5 / 58.6 µs for 16 / 6 / 64)."""
     return MoeLaunch(
-        gate_up_block_n=16 if inter >= 128 else 32,
-        down_block_n=64,
+        gate_up_block_n=32,
+        down_block_n=128,
         combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
+        gate_up_stages=3,
     )
 
 
