@@ -7,8 +7,8 @@ K input columns, Kb = ⌈K/BK⌉ column blocks, S split-K count, BN channels per
 BR = 16 rows on the MMA's narrow side.
 
   linear_fp8       block FP8: E4M3 W [N, K] with FP32 inverse scales [⌈N/128⌉, ⌈K/128⌉]; x is
-                   quantized on the fly per row per 128 columns (the operations of
-                   reference.ops.quantize_act, via kernels/fp8.quantize_groups) — QKV, O, dense
+                   quantized per row per 128 columns by kernels.fp8.quantize_act (one launch
+                   before the GEMM, bit-exact with reference.ops.quantize_act) — QKV, O, dense
                    layer-0 gate/up/down, a quantized lm_head
   linear_bf16_f32  BF16 W [N, K], FP32 product — lm_head (FP32 logits), eh_proj (bf16 out)
 
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_groups
+from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_act
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs ≥ 16)
@@ -120,13 +120,16 @@ def _store_tile(out_ptr, acc, rows, live, c, cm, stride_or, stride_on, OUT_BF16:
 
 @triton.jit
 def _linear_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr,
+    xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr,
     R, N,
-    stride_xr, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_or, stride_on,
     K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
+    """x arrives quantized (kernels.fp8.quantize_act, one launch before this one): quantizing
+    inside the K loop made every program redo ~2k IEEE divisions per 128-column block, which
+    left the H200 run at 5-8% of HBM bandwidth (reports/benchmarks/h200-2026-11-29)."""
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)  # [BR]
@@ -139,9 +142,10 @@ def _linear_fp8_kernel(
         kb = split * KB + i
         kk = kb * 128 + tl.arange(0, 128)  # [128] columns of scale block kb
         km = kk < K
-        x = tl.load(x_ptr + rows[:, None] * stride_xr + kk[None, :] * stride_xk,
-                    mask=live[:, None] & km[None, :], other=0.0)  # [BR, 128]
-        xq, sx = quantize_groups(x.to(tl.float32))  # [BR, 128] E4M3, [BR] fp32
+        xq = tl.load(xq_ptr + rows[:, None] * stride_xr + kk[None, :],
+                     mask=live[:, None] & km[None, :], other=0.0)  # [BR, 128] E4M3
+        sx = tl.load(sx_ptr + rows * stride_sxr + kb, mask=live & (kb * 128 < K),
+                     other=0.0)  # [BR]
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=cm[:, None] & km[None, :],
                     other=0.0)  # [BN, 128] E4M3
         sw = tl.load(ws_ptr + (c // 128) * stride_sn + kb * stride_sk, mask=cm & (kb * 128 < K),
@@ -252,10 +256,11 @@ def _finish(partials, n_live, out, s, r, n, out_dtype, cfg: LinearLaunch) -> tor
 def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg):
     r, k = x.shape
     big_n = weight.shape[0]
+    xq, sx = quantize_act(x, n)  # [R, K] E4M3, [R, ⌈K/128⌉] fp32; rows ≥ n untouched
     stride_os = dst.stride(0) if dst.dim() == 3 else 0
     _linear_fp8_kernel[(triton.cdiv(big_n, cfg.block_n), s)](
-        x, weight, scale_inv, n, dst, r, big_n, *x.stride(), *weight.stride(),
-        *scale_inv.stride(), stride_os, dst.stride(-2), dst.stride(-1),
+        xq, sx, weight, scale_inv, n, dst, r, big_n, xq.stride(0), sx.stride(0),
+        *weight.stride(), *scale_inv.stride(), stride_os, dst.stride(-2), dst.stride(-1),
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, OUT_BF16=out_bf16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -175,7 +175,7 @@ def _attn_tail_kernel(
     n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr,
     stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
     stride_ir, stride_ik, stride_wr, stride_wk,
-    ROWS, eps, scale, max_polls,
+    ROWS, eps, scale, max_polls, router_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, EXPERTS: tl.constexpr,
     BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
@@ -192,7 +192,7 @@ def _attn_tail_kernel(
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
-                        pid - ROWS, tl.num_programs(0) - ROWS, n, max_polls,
+                        pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
                         BLOCK_K)
 
@@ -325,9 +325,17 @@ def attn_tail(
     out: AttnTailOut | None = None,
     polls: torch.Tensor | None = None,  # [R] int32: polls each row program made
     config: TailLaunch | None = None,
+    router_max_polls: int = 1 << 20,
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
-    reference.tails.attn_tail_ref, padding rows untouched."""
+    reference.tails.attn_tail_ref, padding rows untouched.
+
+    max_polls bounds the wait for the producers of the partials (other ranks, earlier
+    kernels). router_max_polls bounds the router programs' wait for this kernel's own row
+    programs, which run concurrently on a GPU and need a few µs: with a bound as small as
+    max_polls may be, the router would time out while the rows are still computing (seen on
+    the H200 with max_polls = 4). It is still finite: a row program that never finishes ends
+    in the failure flag, not a hang."""
     check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,),
@@ -362,6 +370,10 @@ def attn_tail(
             raise ValueError("scratch: r_in and logits must be contiguous")
     elif top_k or scratch is not None:
         raise ValueError("top_k / scratch given without router_w")
+    if not isinstance(router_max_polls, int) or not 1 <= router_max_polls < 2**31:
+        raise ValueError(
+            f"router_max_polls: expected an int in [1, 2^31), got {router_max_polls!r}"
+        )
     if out is None:
         out = AttnTailOut(torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev),
                           torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev))
@@ -386,7 +398,7 @@ def attn_tail(
         partials.stride(0), partials.stride(1), xn.stride(0), out.h.stride(0),
         out.f_in.stride(0), 0 if rearm is None else rearm.stride(0),
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
-        rows, eps, attn_out_scale, max_polls,
+        rows, eps, attn_out_scale, max_polls, router_max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
