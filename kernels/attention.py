@@ -84,13 +84,17 @@ def pick_config(head_dim: int, capacity: int, ring: bool) -> AttentionConfig:
     if head_dim <= 64:
         return AttentionConfig(block_n=16, num_splits=8, min_tiles_per_split=1, num_warps=4,
                                num_stages=1, combine_heads=16, combine_unroll=1, combine_warps=1)
-    if ring:  # 4096 + 64 slots, ≤ 66 tiles of 64 keys → 22 programs of 3 tiles
-        return AttentionConfig(block_n=64, num_splits=32, min_tiles_per_split=3, num_warps=4,
-                               num_stages=2, combine_heads=1, combine_unroll=2, combine_warps=4)
-    # full layers: up to 2 programs per SM on 132 SMs, each streaming ≥ 2 tiles
-    return AttentionConfig(block_n=64, num_splits=min(264, triton.cdiv(capacity, 64)),
-                           min_tiles_per_split=2, num_warps=4, num_stages=2, combine_heads=1,
-                           combine_unroll=4, combine_warps=4)
+    # Chosen on the H200 by benchmarks/sweep_attention.py (reports/benchmarks/h200-2026-11-29/
+    # sweep_attention*.log), 6 rows: 64-key tiles, 3 stages, 4 warps; one-warp combine programs
+    # per (row, head) batching 4 groups of 4 splits per loop trip.
+    if ring:  # 4096 + 64 slots: 66 splits of ≥ 2 tiles (12.7 µs vs 15.1 µs before)
+        return AttentionConfig(block_n=64, num_splits=66, min_tiles_per_split=2, num_warps=4,
+                               num_stages=3, combine_heads=1, combine_unroll=4, combine_warps=1)
+    # full layers: ≤ 132 splits (one per SM) of ≥ 2 tiles: 64K 27.6 µs, 128K 40.6 µs (vs 42.3 /
+    # 51.3 µs with 264 splits, 2 stages)
+    return AttentionConfig(block_n=64, num_splits=min(132, triton.cdiv(capacity, 64)),
+                           min_tiles_per_split=2, num_warps=4, num_stages=3, combine_heads=1,
+                           combine_unroll=4, combine_warps=1)
 
 
 @triton.jit
