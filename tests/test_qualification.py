@@ -35,4 +35,58 @@ def test_qualify_quick_passes_and_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0 reference consistency" in out and "not built" in out
     gates = json.loads((tmp_path / "qualify.json").read_text())["gates"]
-    assert [g["verdict"] for g in gates if g["verdict"] != "not built"] == ["pass", "pass"]
+    built = [g["verdict"] for g in gates if g["verdict"] != "not built"]
+    assert len(built) >= 4 and set(built) == {"pass"}
+
+
+# --- gates fail on planted defects ----------------------------------------------------------
+
+
+def _tiny_models():
+    from reference.config import preset
+    from reference.model import ReferenceModel
+    from reference.synthetic import synthetic_params
+
+    cfg = preset("tiny")
+    params = synthetic_params(cfg, 0)
+    return {p: ReferenceModel(cfg, params, p) for p in ("fp32", "bf16")}, params
+
+
+def test_stability_gate_passes_fold_and_fails_a_dropped_sink():
+    import torch
+
+    from qualification import stability
+    from reference.model import ReferenceModel
+
+    models, params = _tiny_models()
+    cfg = stability.StabilityConfig(prompts=1)
+
+    def logits_of(model):
+        return lambda t: model.target(t, torch.arange(len(t)), model.new_target_cache()).logits
+
+    fold = ReferenceModel(models["bf16"].cfg, params, "bf16-fold")
+    ok, worst, _ = stability.run(models["fp32"], models["bf16"], logits_of(fold), cfg)
+    assert ok and worst < 1
+    broken = dict(params)
+    for name in broken:
+        if name.endswith("sink_k"):
+            broken[name] = torch.zeros_like(broken[name])
+    no_sink = ReferenceModel(models["bf16"].cfg, broken, "bf16")
+    ok, worst, evidence = stability.run(models["fp32"], models["bf16"], logits_of(no_sink), cfg)
+    assert not ok and worst > 1, evidence
+
+
+def test_sampler_gate_fails_a_sampler_keyed_without_position(monkeypatch):
+    import kernels.sampler as ks
+    from qualification import sampler_gate
+
+    ok, evidence = sampler_gate.run()
+    assert ok, evidence
+    real = ks.sample
+
+    def no_position(logits, params, seed, positions, *a, **kw):
+        return real(logits, params, seed, positions * 0, *a, **kw)
+
+    monkeypatch.setattr(ks, "sample", no_position)
+    ok, evidence = sampler_gate.run()
+    assert not ok and any("position" in e for e in evidence), evidence

@@ -1,0 +1,82 @@
+"""Gate 2 — stability bands: separate a candidate's error from the reference's own variation.
+
+For each prompt (T tokens) the lower-precision reference (BF16) is run on the prompt and on the
+prompt with 1 and with 8 extra tokens appended. Appending changes the row count of every GEMM
+and of every expert GEMM, so rounding at the earlier positions changes too, and later routing
+amplifies it. Per earlier position p:
+
+  band(p)  = max over a ∈ {0, 1, 8} of rel_rms(BF16 reference with a appended at p, FP32 at p)
+  cand(p)  = rel_rms(candidate at p, FP32 at p)
+  pass(p) ⇔ cand(p) ≤ m · band(p) + floor
+
+with rel_rms(x, y) = rms(x − y) / rms(y) over the vocabulary logits — the fp64-arbitrated
+check of QUALIFICATION.md §3 (candidate error ≤ m × reference error), the reference error taken
+as its whole envelope under appends. The band is never derived from a candidate's own error.
+Until the runtime exists (issue 4) the candidate is the reference with the router folded into
+the attention tail ("bf16-fold"), which is exactly the numerical change the runtime makes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from reference.model import ReferenceModel
+
+
+@dataclass(frozen=True)
+class StabilityConfig:
+    prompts: int = 3
+    length: int = 32  # > tiny window 16: sliding layers wrap
+    appends: tuple[int, ...] = (1, 8)
+    multiple: float = 3.0  # m
+    floor: float = 1e-3  # absolute slack on rel_rms, below BF16's unit roundoff 2^-8
+    seed: int = 11
+
+
+def _rel_rms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[T, V] vs [T, V] → [T] rms(x − y) / rms(y) per position, in float64."""
+    x, y = x.double(), y.double()
+    return (x - y).pow(2).mean(-1).sqrt() / y.pow(2).mean(-1).sqrt()
+
+
+def _logits(model: ReferenceModel, tokens: torch.Tensor) -> torch.Tensor:
+    return model.target(tokens, torch.arange(len(tokens)), model.new_target_cache()).logits
+
+
+def run(
+    fp32: ReferenceModel,
+    bf16: ReferenceModel,
+    candidate: Callable[[torch.Tensor], torch.Tensor],  # tokens [T] → logits [T, V]
+    cfg: StabilityConfig | None = None,
+) -> tuple[bool, float, list[str]]:
+    """(all positions pass, worst cand/(m·band + floor), evidence lines)."""
+    cfg = cfg or StabilityConfig()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    vocab = fp32.cfg.target.vocab_size
+    ok, worst, evidence = True, 0.0, []
+    for i in range(cfg.prompts):
+        extra = max(cfg.appends)
+        toks = torch.randint(0, vocab, (cfg.length + extra,), generator=gen)
+        prompt = toks[: cfg.length]
+        ref = _logits(fp32, prompt)  # [T, V]
+        band = _rel_rms(_logits(bf16, prompt), ref)
+        for a in cfg.appends:
+            band = torch.maximum(
+                band, _rel_rms(_logits(bf16, toks[: cfg.length + a])[: cfg.length], ref)
+            )
+        cand = _rel_rms(candidate(prompt), ref)
+        allowed = cfg.multiple * band + cfg.floor
+        used = cand / allowed
+        p = int(used.argmax())
+        worst = max(worst, float(used[p]))
+        bad = (cand > allowed).nonzero().flatten().tolist()
+        ok &= not bad
+        evidence.append(
+            f"prompt {i}: worst position {p}: candidate {float(cand[p]):.2e} vs allowed "
+            f"{float(allowed[p]):.2e} (band {float(band[p]):.2e}); median band "
+            f"{float(band.median()):.2e}" + (f"; outside: positions {bad}" if bad else "")
+        )
+    return ok, worst, evidence
