@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qualification import goldens, sampler_gate, stability
+from qualification import goldens, ring_gate, sampler_gate, stability
 from qualification.gates import (
     FAIL,
     NOT_BUILT,
@@ -125,6 +125,13 @@ def gate_stability(q: QualifyConfig, models) -> GateResult:
     )
 
 
+def gate_rings(q: QualifyConfig, models) -> GateResult:
+    """On the kernels' rings (kernels/kv_cache.py + kernels/attention.py); the runtime's caches
+    join when the engine lands (issue 4)."""
+    ok, evidence = ring_gate.run()
+    return GateResult("4 ring boundaries", PASS if ok else FAIL, "exact windows", evidence)
+
+
 def gate_sampler(q: QualifyConfig, models) -> GateResult:
     ok, evidence = sampler_gate.run()
     return GateResult("6 sampler gates", PASS if ok else FAIL, "exact", evidence)
@@ -143,7 +150,7 @@ GATES: tuple[Callable, ...] = (
     _not_built("1 runtime vs reference", "needs the runtime (issues 4, 5)"),
     gate_stability,
     gate_goldens,
-    _not_built("4 ring boundaries", "needs the runtime rings (issues 4, 5)"),
+    gate_rings,
     _not_built("5 rejection-sampling distribution", "issue 5 (exact law is in tests/)"),
     gate_sampler,
     _not_built("7 acceptance", "needs the trained mini model (issue 6)"),

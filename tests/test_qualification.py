@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from qualification import goldens
 from qualification.gates import FAIL, PASS, GateResult, write_reports
 from qualification.qualify import main
@@ -90,3 +92,23 @@ def test_sampler_gate_fails_a_sampler_keyed_without_position(monkeypatch):
     monkeypatch.setattr(ks, "sample", no_position)
     ok, evidence = sampler_gate.run()
     assert not ok and any("position" in e for e in evidence), evidence
+
+
+@pytest.mark.parametrize(
+    "mutant, message",
+    [
+        (dict(pad=0), "refused"),  # a ring of exactly `window` slots
+        (dict(window=17, pad=7), "did not attend"),  # window one too wide
+        (dict(window=15, pad=9), "did not attend"),  # window one too narrow
+    ],
+)
+def test_ring_gate_catches_ring_mutants(mutant, message):
+    import torch
+
+    from qualification import ring_gate
+
+    g = ring_gate.RingGateConfig()
+    ok, evidence = ring_gate.check_case(g.cases[0], g, torch.device("cpu"))
+    assert ok, evidence
+    ok, evidence = ring_gate.check_case(g.cases[0], g, torch.device("cpu"), **mutant)
+    assert not ok and message in evidence[0], evidence
