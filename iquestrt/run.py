@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -15,17 +16,33 @@ from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, GenerationResult, generate
 
 
-def _request(a, cfg) -> GenerationRequest:
+def _tokenizer(checkpoint: Path):
+    """The checkpoint's tokenizer.json (Hugging Face `tokenizers` format), or None."""
+    path = Path(checkpoint) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the library raises its own exception types
+        raise ValueError(f"{path}: not a valid tokenizer file: {e}") from None
+
+
+def _request(a, cfg, tokenizer) -> GenerationRequest:
+    prompt_ids = a.prompt_ids
     if a.prompt is not None:
-        raise ValueError(
-            f"--prompt: {a.checkpoint} has no tokenizer.json; pass --prompt-ids instead"
-        )
+        if tokenizer is None:
+            raise ValueError(
+                f"--prompt: {a.checkpoint} has no tokenizer.json; pass --prompt-ids instead"
+            )
+        prompt_ids = tokenizer.encode(a.prompt).ids
     s = cfg.sampling
     for flag, value in (("temperature", a.temperature), ("top_k", a.top_k), ("top_p", a.top_p)):
         if value is not None:
             s = replace(s, **{flag: value})
     return GenerationRequest(
-        prompt_ids=tuple(a.prompt_ids),
+        prompt_ids=tuple(prompt_ids),
         max_new_tokens=a.max_new_tokens,
         sampling=s,
         seed=a.seed,
@@ -98,7 +115,8 @@ class _Ticker:
 def generate_from_args(a) -> int:
     ckpt = load_checkpoint(a.checkpoint)
     cfg = ckpt.cfg
-    req = _request(a, cfg)
+    tokenizer = _tokenizer(a.checkpoint)
+    req = _request(a, cfg, tokenizer)
     req.validate(cfg.target.vocab_size, cfg.target.max_position_embeddings)
     if not 0 <= a.draft_depth <= cfg.draft.num_draft_slots:
         raise ValueError(
@@ -113,6 +131,8 @@ def generate_from_args(a) -> int:
         )
     seconds = time.perf_counter() - t0
     print(" ".join(map(str, res.tokens)))
+    if tokenizer is not None:
+        print(tokenizer.decode(res.tokens))
     sys.stdout.flush()
     _summary(err, res, seconds, a.draft_depth)
     return 0

@@ -179,3 +179,43 @@ def test_help_explains_every_generate_option(capsys):
         "--draft-depth",
     ):
         assert opt in text
+
+
+def test_prompt_text_uses_the_checkpoints_tokenizer(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    ckpt = tmp_path / "tok"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(ckpt)]) == 0
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["[UNK]"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["def parse_args(argv):\n    return argv\n"] * 20, trainer)
+    tok.save(str(ckpt / "tokenizer.json"))
+    ids = tok.encode("def parse_args(").ids
+    capsys.readouterr()
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(ckpt),
+        "--prompt",
+        "def parse_args(",
+        "--max-new-tokens",
+        "6",
+        "--temperature",
+        "0",
+        "--draft-depth",
+        "0",
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    loaded = load_checkpoint(ckpt)
+    model = ReferenceModel(loaded.cfg, loaded.dequantized(), precision="bf16")
+    greedy = SamplingDefaults(temperature=0.0, top_k=20, top_p=0.95)
+    want = generate(model, GenerationRequest(tuple(ids), 6, greedy, 0)).tokens
+    assert [int(x) for x in out[0].split()] == want
+    assert out[1] == tok.decode(want)
