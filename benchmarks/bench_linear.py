@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks.timing import capture_graph, time_graph  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
@@ -151,40 +152,6 @@ def check_against_twin(p: Problem) -> str:
         return str(check(got[:r], twin, "kernels.linear_fp8", "bf16"))
     twin = linear_bf16_f32_ref(p.x.cpu(), p.weights[0].cpu(), p.n_live.cpu())
     return str(check(got[:r], twin, "kernels.linear_bf16_f32", "fp32"))
-
-
-def capture_graph(calls, reps: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `reps` calls cycling through `calls` (each warmed up eagerly first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(reps):
-            calls[j % len(calls)]()
-    return graph
-
-
-def time_graph(calls, reps: int, trials: int, warmup: int) -> float:
-    """Median µs per call over `trials` replays of a graph of `reps` calls."""
-    graph = capture_graph(calls, reps)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    return statistics.median(times)
 
 
 def bench_one(shape: Shape, rows: int, args, config=None, with_torch: bool = True) -> dict:

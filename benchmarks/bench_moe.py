@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks.timing import capture_graph, time_graph  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
@@ -164,40 +165,6 @@ def check_against_twin(p: Problem) -> dict:
     tw = twin.double()
     metric = float(1 - 2 * (base * tw).sum() / ((base * base).sum() + (tw * tw).sum()))
     return {"kernel_vs_twin": str(margin), "torch_baseline_qual5_vs_twin": metric}
-
-
-def capture_graph(calls, reps: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `reps` calls cycling through `calls` (each warmed up eagerly first)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # compile / warm allocators outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(reps):
-            calls[j % len(calls)]()
-    return graph
-
-
-def time_graph(calls, reps: int, trials: int, warmup: int) -> float:
-    """Median µs per call: a CUDA graph of `reps` calls (cycling `calls`), replayed."""
-    graph = capture_graph(calls, reps)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    return statistics.median(times)
 
 
 def must_move_bytes(spec: BenchSpec) -> int:

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from benchmarks.timing import capture_graph, time_graph  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 EPS, FFN_SCALE = 1e-6, 0.53881590608
@@ -170,39 +171,6 @@ def twin_router_input(p: Problem) -> torch.Tensor:
 
     return attn_tail_router_input_ref(p.partials.cpu(), p.resid.cpu(), p.norms[0].cpu(),
                                       p.norms[1].cpu(), p.spec.rows, eps=EPS, attn_out_scale=1.0)
-
-
-def capture_graph(calls, reps: int) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(reps):
-            calls[j % len(calls)]()
-    return graph
-
-
-def time_graph(calls, reps: int, trials: int, warmup: int) -> float:
-    """Median µs per call over `trials` replays of a graph of `reps` calls."""
-    graph = capture_graph(calls, reps)
-    for _ in range(warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    return statistics.median(times)
 
 
 def must_move_bytes(s: Spec) -> int:
