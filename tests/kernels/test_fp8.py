@@ -6,12 +6,6 @@ Dimension letters: R rows, C columns, E experts, N weight rows, K weight columns
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -19,6 +13,7 @@ from kernels.fp8 import E4M3, dequant_block, quantize_act
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.fp8_ops import dequant_block_ref, quantize_act_ref
+from tests.kernels.sm90 import compile_sm90
 
 E4M3_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3)  # all 256 codes
 FINITE_E4M3 = E4M3_CODES[~torch.isnan(E4M3_CODES.float())].float().unique()  # [253] sorted
@@ -216,12 +211,7 @@ print(json.dumps({
 def test_fp8_kernels_compile_for_sm90():
     """Without a GPU: compile for sm_90 with Triton's ptxas; the act-quant divisions must be the
     IEEE-rounded div.rn.f32 (not div.full/div.approx) and the E4M3 cast a hardware cvt."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_sm90(SM90_COMPILE)
     print(f"\n  sm_90 PTX: {got}")
     aq = got["act_quant"]
     assert aq["div.rn.f32"] > 0 and aq["div.full"] == 0 and aq["div.approx"] == 0

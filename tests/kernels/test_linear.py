@@ -16,12 +16,7 @@ Dimension letters: R buffer rows, n live rows, K input columns, N output channel
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -44,6 +39,7 @@ from reference.dense_twins import (
     linear_fp8_ref,
     reduce_splits_ref,
 )
+from tests.kernels.sm90 import compile_sm90
 
 NAN = float("nan")
 
@@ -538,12 +534,7 @@ def test_linear_kernels_compile_for_sm90():
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("Triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_sm90(SM90_COMPILE)
     print(f"\n  sm_90: {got}")
     for name in ("qkv_partials", "o_bf16", "lm_head"):
         assert got[name]["wgmma"] > 0 and got[name]["cp\\.async"] > 0, name

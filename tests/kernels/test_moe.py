@@ -12,14 +12,10 @@ Dimension letters: R buffer rows, n live rows, H hidden, E experts, K top-k, I i
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,6 +26,7 @@ from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.fp8_ops import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
+from tests.kernels.sm90 import compile_sm90
 
 CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()
 POS_E4M3 = CODES[(CODES > 0) & ~torch.isnan(CODES)].unique()  # positive finite E4M3 values
@@ -446,12 +443,7 @@ def test_moe_kernels_compile_for_sm90():
     """Without a GPU: compile the TP8-configured kernels for sm_90 with Triton's own ptxas, with
     the alignment Triton's JIT infers at run time; the weight loads must stream through cp.async
     pipelines, and down must reach the Hopper wgmma path."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_sm90(SM90_COMPILE)
     print(f"\n  sm_90 PTX: {got}")
     assert got["gate_up"]["cp.async"] > 0 and got["down"]["cp.async"] > 0, "loads not pipelined"
     assert got["down"]["wgmma"] > 0

@@ -12,12 +12,7 @@ positions, rot rotary dims.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +22,7 @@ from kernels.qk_rope import RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.dense_twins import head_rms_norm_ref, qk_rope_ref
+from tests.kernels.sm90 import compile_sm90
 
 EPS = 1e-6
 POISON = 0x7FE5  # a bf16 quiet NaN with a payload no arithmetic produces
@@ -353,12 +349,7 @@ def test_qk_rope_compiles_for_sm90_without_fma():
         import triton.backends.nvidia  # noqa: F401
     except ImportError:
         pytest.skip("Triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-c", SM90_COMPILE], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
-    got = json.loads(run.stdout.strip().splitlines()[-1])
+    got = compile_sm90(SM90_COMPILE)
     print(f"\n  sm_90: {got}")
     off, on = got["False"], got["True"]
     assert off["fma\\.rn\\.f32"] == 0, "FMA contraction in the launched variant"
