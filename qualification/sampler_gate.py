@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qualification.tolerances import measure, tolerance
 from reference.config import SamplingDefaults
 from reference.rng import Purpose
 from reference.sampling import served_candidates
@@ -70,6 +71,11 @@ def run(g: SamplerGateConfig | None = None) -> tuple[bool, list[str]]:
             ok = False
             bad = int((got != want).any(1).nonzero()[0])
             evidence.append(f"{s}: served candidates differ from the reference at row {bad}")
+        elif s.temperature > 0:  # probabilities: exp is the one step not pinned to the bit
+            m = measure(base.probs.cpu(), ref_p[:, :w], tolerance("kernels.sampler.probs", "fp32"))
+            if not m.ok:
+                ok = False
+                evidence.append(f"{s}: served probabilities: {m}")
         again = sample(logits, s, g.seed, pos)
         if not torch.equal(again.tokens, base.tokens):
             ok = False

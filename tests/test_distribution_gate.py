@@ -14,7 +14,6 @@ the planted defects the gate must catch.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import replace
 from fractions import Fraction as Fr
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 import torch
 from scipy import stats
 
+from negative_controls import rejection_controls
 from qualification.distribution import CASES, DistributionConfig, run, run_case, smoke
 from qualification.distribution_law import (
     STANDARD,
@@ -49,7 +49,7 @@ from reference.config import SamplingDefaults as SP
 from reference.rejection import VerifyResult
 from reference.rejection import verify as reference_verify
 from reference.rng import Purpose, uniforms
-from reference.sampling import draw, sample, served_distribution
+from reference.sampling import draw, sample
 
 BY_NAME = {c.name: c for c in CASES}
 M = len(CASES)  # the CPU gate's Bonferroni m
@@ -120,7 +120,7 @@ def test_case_matrix_covers_the_brief():
 
 EXACT_MATCH = Rule(accept=lambda p, q, d: p[d])  # accept iff the target's own sample equals d
 MUTANT_RULES = {
-    "exact_match_acceptance": EXACT_MATCH,
+    "acceptance_by_exact_match": EXACT_MATCH,
     "ratio_inverted": Rule(accept=lambda p, q, d: min(Fr(1), q[d] / p[d]) if p[d] else Fr(0)),
     "replacement_from_p": Rule(replacement=lambda p, q: list(p)),
     "bonus_after_rejection": Rule(bonus_after_rejection=True),
@@ -261,26 +261,9 @@ def test_reference_passes_at_full_power_and_reruns_identically():
     assert a.line().rsplit(";", 1)[0] == b.line().rsplit(";", 1)[0]  # all but the run time
 
 
-def exact_match_accept(u, p, q, d):
-    return draw(p, u) == d  # the target samples y with the acceptance uniform; accept iff y == d
-
-
-def inverted_accept(u, p, q, d):
-    return u * p.gather(1, d[:, None])[:, 0] < q.gather(1, d[:, None])[:, 0]
-
-
-def draft_q_at_t1(logits, params, seed, positions):
-    tok, _ = sample(logits, params, seed, positions, Purpose.DRAFT_SAMPLE)
-    return tok, served_distribution(logits, replace(params, temperature=1.0))
-
-
-MUTANTS = {
-    "exact_match_acceptance": ("d3-topp0.8", ReferenceRounds(accept=exact_match_accept)),
-    "replacement_from_p": ("d3-topp0.8", ReferenceRounds(residual=lambda p, q: p.clone())),
-    "bonus_after_rejection": ("d2-topk3", ReferenceRounds(bonus_after_rejection=True)),
-    "draft_ignores_temperature": ("d2-temp0.7", ReferenceRounds(draft=draft_q_at_t1)),
-    "ratio_inverted": ("d3-topp0.8", ReferenceRounds(accept=inverted_accept)),
-}
+# the five mutants live in negative_controls/ (one definition for the tests and for
+# `nox -s negative_controls`)
+MUTANTS = rejection_controls.MUTANTS
 
 
 @pytest.mark.parametrize("mutant", list(MUTANTS))
@@ -347,7 +330,8 @@ def test_kernel_path_passes_at_full_power_on_the_gpu():
 
 
 def test_exact_match_rule_is_the_documented_mutant():
-    """The rule-level exact-match mutant is the law of exact_match_accept: P(accept d) = p̂(d)."""
+    """The rule-level exact-match mutant is the law of rejection_controls.exact_match_accept:
+    P(accept d) = p̂(d)."""
     case = BY_NAME["d1-plain"]
     P, Q = exact_case(case)
     law = block_law(P, Q, case.x0, 1, EXACT_MATCH)

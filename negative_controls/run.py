@@ -1,0 +1,79 @@
+"""`python -m negative_controls.run`: baseline gates must pass, then every control must be caught.
+
+Prints a table (control, gate, caught, evidence) and exits non-zero when a baseline fails or a
+control is not caught. A gate run that raises counts as a failure of that run, with the error
+as its evidence (an unmutated baseline that raises is therefore a failed baseline).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # kernels under the interpreter; set before any kernel import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+from negative_controls import (  # noqa: E402
+    rejection_controls,
+    ring_controls,
+    sampler_controls,
+    sink_controls,
+)
+
+ALL = (
+    ring_controls.CONTROLS
+    + sampler_controls.CONTROLS
+    + rejection_controls.CONTROLS
+    + sink_controls.CONTROLS
+)
+
+
+def _safe(run, mutated: bool) -> tuple[bool, list[str]]:
+    try:
+        return run(mutated)
+    except Exception as e:  # a crash of the gate run is a failure of that run, shown as such
+        return False, [f"raised {type(e).__name__}: {e}"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m negative_controls.run", description=__doc__)
+    ap.add_argument("--only", nargs="*", help="control names to run (default: all)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    controls = [c for c in ALL if not a.only or c.name in a.only]
+    unknown = sorted(set(a.only or ()) - {c.name for c in ALL})
+    if unknown:
+        ap.error(f"unknown controls {unknown}; choose from {[c.name for c in ALL]}")
+    rows, failed = [], False
+    for i, c in enumerate(controls, 1):
+        t0 = time.perf_counter()
+        base_ok, base_ev = _safe(c.run, False)
+        mut_ok, mut_ev = _safe(c.run, True) if base_ok else (True, ["baseline failed"])
+        caught = base_ok and not mut_ok
+        failed |= not caught
+        evidence = mut_ev[0] if base_ok else f"BASELINE FAILED: {base_ev[0]}"
+        rows.append((c.name, c.gate, "yes" if caught else "NO", evidence))
+        print(
+            f"[{i}/{len(controls)}] {c.name}: {'caught' if caught else 'NOT CAUGHT'} "
+            f"({time.perf_counter() - t0:.0f}s)",
+            flush=True,
+        )
+    widths = [max(len(r[j]) for r in rows + [("control", "gate", "caught", "")]) for j in range(3)]
+    print(
+        "\n"
+        + "  ".join(h.ljust(w) for h, w in zip(("control", "gate", "caught"), widths, strict=True))
+        + "  evidence"
+    )
+    for r in rows:
+        print("  ".join(x.ljust(w) for x, w in zip(r[:3], widths, strict=True)) + "  " + r[3][:160])
+    print(f"\n{sum(r[2] == 'yes' for r in rows)} of {len(rows)} controls caught")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
