@@ -71,13 +71,26 @@ def _build() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, help="1.0 = off (default: model's)")
     g.add_argument("--stop-ids", type=_int_list, default=[], help="stop token ids, e.g. 0,2")
     g.add_argument(
-        "--backend", choices=("reference",), default="reference", help="decode implementation"
+        "--backend",
+        choices=("reference", "runtime"),
+        default="reference",
+        help="decode implementation: the slow reference, or the IQuestRT engine",
     )
     g.add_argument(
         "--precision",
-        choices=("fp32", "bf16"),
-        default="bf16",
-        help="reference precision mode (default bf16)",
+        choices=("fp32", "bf16", "matched"),
+        default=None,
+        help="reference precision mode (default bf16); matched = the runtime's rounding points",
+    )
+    g.add_argument(
+        "--ops",
+        choices=("auto", "kernels", "twins"),
+        default="auto",
+        help="runtime ops: kernels (Triton; interpreted on a CPU, slow) or twins (torch, same "
+        "semantics); auto = kernels on a GPU, twins on a CPU",
+    )
+    g.add_argument(
+        "--ring-pad", type=int, default=64, help="runtime: ring slots beyond each window"
     )
     g.add_argument(
         "--draft-depth", type=int, default=3, help="fixed MTP draft depth, 0 = no speculation"

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from reference.checkpoint import load_checkpoint
+from reference.depth import FixedDepth
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, GenerationResult, generate
 
@@ -112,6 +115,32 @@ class _Ticker:
             self.console.print(f"decoded {min(self.done, self.total)}/{self.total} tokens")
 
 
+def _runtime(a, ckpt, req):
+    """The IQuestRT engine for `--backend runtime`, imported late: on a CPU the Triton
+    interpreter must be on before the first kernels module is imported."""
+    if a.precision is not None:
+        raise ValueError("--precision: applies to --backend reference only (compare the runtime "
+                         "with --backend reference --precision matched)")
+    gpu = torch.cuda.is_available()
+    ops = a.ops if a.ops != "auto" else ("kernels" if gpu else "twins")
+    if ops == "kernels" and not gpu:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
+    from iquestrt.engine import Engine
+    from iquestrt.weights import from_checkpoint
+
+    rcfg = RuntimeConfig(
+        ops=ops,
+        device="cuda" if gpu else "cpu",
+        ring_pad=a.ring_pad,
+        max_positions=len(req.prompt_ids) + req.max_new_tokens + KERNEL_WIDTH,
+        policy=FixedDepth(a.draft_depth),
+    )
+    engine = Engine(from_checkpoint(ckpt, rcfg.device, rcfg.max_positions), rcfg)
+    engine.validate(req)
+    return engine.generate
+
+
 def generate_from_args(a) -> int:
     ckpt = load_checkpoint(a.checkpoint)
     cfg = ckpt.cfg
@@ -122,13 +151,18 @@ def generate_from_args(a) -> int:
         raise ValueError(
             f"--draft-depth: must be in [0, {cfg.draft.num_draft_slots}], got {a.draft_depth}"
         )
-    model = ReferenceModel(cfg, ckpt.dequantized(), precision=a.precision)
+    if getattr(a, "backend", "reference") == "runtime":
+        run = _runtime(a, ckpt, req)
+    else:
+        model = ReferenceModel(cfg, ckpt.dequantized(), precision=a.precision or "bf16")
+
+        def run(req, on_round):
+            return generate(model, req, depth=a.draft_depth, on_round=on_round)
+
     err = Console(stderr=True)
     t0 = time.perf_counter()
     with _Ticker(err, req.max_new_tokens, a.quiet) as ticker:
-        res = generate(
-            model, req, depth=a.draft_depth, on_round=lambda r: ticker.advance(len(r.emitted))
-        )
+        res = run(req, on_round=lambda r: ticker.advance(len(r.emitted)))
     seconds = time.perf_counter() - t0
     print(" ".join(map(str, res.tokens)))
     if tokenizer is not None:

@@ -6,6 +6,23 @@ sums h and out (target), the expert activations. Norms, softmax, router, sink co
 both lm_heads compute in FP32. The draft keeps its residual stream in FP32
 (`fp32_residual_connection`). In FP32 mode every value is FP32.
 
+Matched mode ("matched": what the runtime computes, iquestrt/) is bf16-fold plus the runtime's
+quantization points, each one rounding, in this order:
+  (m1) the input of every block-FP8 projection — qkv_proj, o_proj, layer-0 gate/up/down, a
+       quantized lm_head — is quantized per row per 128 columns (ops.quantize_act → dequant_act)
+       and the GEMM is FP32 on the dequantized E4M3 weight, rounded once to its output dtype;
+  (m2) q/k-norm: the sum of squares of a head in FP64, rounded once to FP32, then
+       x · (1/sqrt(mean + eps)) · w (kernels/qk_rope.py; an FP32 sum would depend on order);
+  (m3) experts: input quantized as (m1); gate and up FP32 GEMMs (no rounding), SiLU·up in FP32
+       as g / (1 + exp(−g)) · u, that intermediate quantized per slot per 128 columns (m1's
+       quantizer), down FP32, the K expert outputs summed in k order with the FP32 router
+       weights, rounded once (reference/fp8_ops.py moe_fp8_ref; kernels/moe.py);
+  (m4) attention reads exactly the keys each query row may see (no masked-out keys in the sums).
+Weights of block kind stay FP32 (E4M3 · scale is not on the BF16 grid). Every row is computed
+on its own (a scratch cache carries the rows before it), as the runtime's batch-invariant kernels
+do: torch's CPU GEMMs round differently for different row counts, so only row-at-a-time
+evaluation gives a definition whose bits do not depend on how a round batches its rows.
+
 Dimension letters: R rows, L cached keys, H hidden, V vocabulary.
 """
 
@@ -17,7 +34,7 @@ import torch
 
 from reference import ops
 from reference.config import FULL, ModelConfig
-from reference.params import DRAFT_PREFIX, all_specs
+from reference.params import BLOCK, DRAFT_PREFIX, all_specs
 
 
 @dataclass(frozen=True)
@@ -30,18 +47,22 @@ class Precision:
     bf16-fold — as bf16, but the target's routers (layers ≥ 1) read the un-rounded FP32
                 expression rms_norm(xn + attn_out_norm(a)·scale) — what the runtime's router
                 folded into the attention tail computes. The draft keeps its BF16 router.
+    matched   — as bf16-fold, plus the runtime's FP8 activation quantization, computed one row
+                at a time (module docstring, m1–m4).
     """
 
     name: str
     act_dtype: torch.dtype
     fold_router: bool = False
+    matched: bool = False
 
     @classmethod
     def of(cls, name: str) -> Precision:
         table = {
-            "fp32": (torch.float32, False),
-            "bf16": (torch.bfloat16, False),
-            "bf16-fold": (torch.bfloat16, True),
+            "fp32": (torch.float32, False, False),
+            "bf16": (torch.bfloat16, False, False),
+            "bf16-fold": (torch.bfloat16, True, False),
+            "matched": (torch.bfloat16, True, True),
         }
         if name not in table:
             raise ValueError(f"precision: unknown mode {name!r}; choose one of {sorted(table)}")
@@ -117,13 +138,68 @@ class ReferenceModel:
         missing = sorted(set(specs) - set(params))
         if missing:
             raise ValueError(f"ReferenceModel: missing parameters {missing[:5]}")
-        act = self.precision.act_dtype
+        act, matched = self.precision.act_dtype, self.precision.matched
         self.p: dict[str, torch.Tensor] = {}
+        self.block = {name for name, spec in specs.items() if spec.kind == BLOCK}
         for name, spec in specs.items():
             t = params[name]
             if t.dtype == torch.float8_e4m3fn:
                 raise ValueError(f"ReferenceModel: {name} is E4M3; dequantize it first")
-            self.p[name] = t.float() if spec.kind == "fp32" else t.to(act)
+            fp32 = spec.kind == "fp32" or (matched and spec.kind == BLOCK)
+            self.p[name] = t.float() if fp32 else t.to(act)
+
+    # --- matched mode (module docstring m1–m4) ------------------------------------------------
+    def _lin(self, x: torch.Tensor, name: str, out_dtype=None) -> torch.Tensor:
+        """ops.linear, with (m1) the activation quantization of block-FP8 weights when matched."""
+        if self.precision.matched and name in self.block:
+            x = ops.dequant_act(*ops.quantize_act(x))
+            return ops.linear(x, self.p[name], out_dtype=out_dtype or self.precision.act_dtype)
+        return ops.linear(x, self.p[name], out_dtype=out_dtype)
+
+    def _head_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        eps = self.cfg.target.rms_norm_eps
+        if not self.precision.matched:
+            return ops.rms_norm(x, self.p[name], eps)
+        xf = x.float()  # (m2)
+        mean = (xf.double() ** 2).sum(-1, keepdim=True).float() / x.shape[-1]
+        return (xf * (1.0 / torch.sqrt(mean + eps)) * self.p[name].float()).to(x.dtype)
+
+    def _swiglu(self, pre: str, x: torch.Tensor) -> torch.Tensor:
+        if not self.precision.matched:
+            p = self.p
+            return ops.swiglu(x, p[pre + "mlp.gate_proj.weight"], p[pre + "mlp.up_proj.weight"],
+                              p[pre + "mlp.down_proj.weight"])
+        g = self._lin(x, pre + "mlp.gate_proj.weight")  # ops.swiglu's roundings, (m1) inputs
+        u = self._lin(x, pre + "mlp.up_proj.weight")
+        act = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
+        return self._lin(act, pre + "mlp.down_proj.weight")
+
+    def _moe_matched(self, pre: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
+        """(m3) for one row: x [1, H], w [1, K] FP32, ids [1, K] → [1, H]."""
+        fc, proj = self.p[pre + "mlp.experts.fc"], self.p[pre + "mlp.experts.proj"]
+        inter, k = fc.shape[1] // 2, ids.shape[1]
+        xd = ops.dequant_act(*ops.quantize_act(x))  # [1, H]
+        a = torch.zeros(k, inter)  # [K, I] FP32 SiLU·up per slot
+        for j in range(k):
+            e = int(ids[0, j])
+            g = ops.linear(xd, fc[e, :inter], out_dtype=torch.float32)  # [1, I]
+            u = ops.linear(xd, fc[e, inter:], out_dtype=torch.float32)
+            a[j : j + 1] = g / (1.0 + torch.exp(-g)) * u
+        ad = ops.dequant_act(*ops.quantize_act(a))  # [K, I]
+        acc = torch.zeros(1, x.shape[1])
+        for j in range(k):
+            y = ops.linear(ad[j : j + 1].clone(), proj[int(ids[0, j])], out_dtype=torch.float32)
+            acc = acc + w[:, j : j + 1] * y
+        return acc.to(x.dtype)
+
+    def _one_row_at_a_time(self, fn, cache: KVCache | None, n_layers: int, positions, *rows):
+        """Matched mode: fn over each row in turn. cache None: the rows see only each other, i.e.
+        a scratch cache starting at the first row's position."""
+        if cache is None:
+            cache = KVCache(n_layers, start=int(positions[0]))
+        outs = [fn(*(t[r : r + 1] for t in rows), positions[r : r + 1], cache)
+                for r in range(positions.shape[0])]
+        return Output(torch.cat([o.logits for o in outs]), torch.cat([o.hidden for o in outs]))
 
     # --- shared blocks -------------------------------------------------------------------
     def _attn(
@@ -137,15 +213,15 @@ class ReferenceModel:
         theta: float,
     ) -> torch.Tensor:
         t = self.cfg.target
-        p, eps, act = self.p, t.rms_norm_eps, self.precision.act_dtype
+        p, act = self.p, self.precision.act_dtype
         r = xn.shape[0]
-        qkv = ops.linear(xn, p[pre + "self_attn.qkv_proj.weight"])  # [R, q + 2kv]
+        qkv = self._lin(xn, pre + "self_attn.qkv_proj.weight")  # [R, q + 2kv]
         q = qkv[:, : t.q_size].reshape(r, t.num_attention_heads, t.head_dim)
         k = qkv[:, t.q_size : t.q_size + t.kv_size].reshape(r, t.num_key_value_heads, t.head_dim)
         v = qkv[:, t.q_size + t.kv_size :].reshape(r, t.num_key_value_heads, t.head_dim)
         if t.qk_norm:
-            q = ops.rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
-            k = ops.rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
+            q = self._head_norm(q, pre + "self_attn.q_norm.weight")
+            k = self._head_norm(k, pre + "self_attn.k_norm.weight")
         q = ops.rope(q, positions, t.rotary_dim, theta)
         k = ops.rope(k, positions, t.rotary_dim, theta)
         if cache is None:
@@ -159,11 +235,14 @@ class ReferenceModel:
                 )
             keys, values = cache.append(layer, k, v)
             k_pos = cache.positions(layer)
+            if self.precision.matched:  # (m4): one row; only the keys it may see
+                seen = ops.visible(positions, k_pos, window)[0]
+                keys, values, k_pos = keys[seen], values[seen], k_pos[seen]
         sink = p[pre + "self_attn.sink_k"] if t.attention_sink else None
         o = ops.attention(
             q, keys, values, positions, k_pos, window, sink, t.head_dim**-0.5, out_dtype=act
         )
-        return ops.linear(o.reshape(r, t.q_size), p[pre + "self_attn.o_proj.weight"])
+        return self._lin(o.reshape(r, t.q_size), pre + "self_attn.o_proj.weight")
 
     def _moe(
         self, pre: str, x: torch.Tensor, top_k: int, router_in: torch.Tensor | None = None
@@ -172,6 +251,8 @@ class ReferenceModel:
         p = self.p
         src = x if router_in is None else router_in
         w, ids = ops.route(src, p[pre + "mlp.router.weight"], top_k)
+        if self.precision.matched:
+            return self._moe_matched(pre, x, w, ids)
         return ops.moe(x, w, ids, p[pre + "mlp.experts.fc"], p[pre + "mlp.experts.proj"])
 
     # --- target --------------------------------------------------------------------------
@@ -181,6 +262,12 @@ class ReferenceModel:
         positions: torch.Tensor,  # [R] consecutive
         cache: KVCache | None = None,  # None: no cache, the rows attend only to themselves
     ) -> Output:
+        if self.precision.matched:
+            n = self.cfg.target.num_hidden_layers
+            return self._one_row_at_a_time(self._target, cache, n, positions, tokens)
+        return self._target(tokens, positions, cache)
+
+    def _target(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache | None):
         t, p = self.cfg.target, self.p
         eps, act = t.rms_norm_eps, self.precision.act_dtype
         x = p["model.embed_tokens.weight"][tokens]  # [R, H]
@@ -195,12 +282,7 @@ class ReferenceModel:
             if i == 0:  # sandwich norms, raw residual
                 h = (x.float() + an.float()).to(act)
                 f_in = ops.rms_norm(h, p[pre + "feed_forward_norm.weight"], eps)
-                f = ops.swiglu(
-                    f_in,
-                    p[pre + "mlp.gate_proj.weight"],
-                    p[pre + "mlp.up_proj.weight"],
-                    p[pre + "mlp.down_proj.weight"],
-                )
+                f = self._swiglu(pre, f_in)
                 fn = ops.rms_norm(f, p[pre + "ffn_out_norm.weight"], eps)
                 x = (h.float() + fn.float()).to(act)
             else:  # normalized-input residual, scaled, no FFN output norm
@@ -213,7 +295,7 @@ class ReferenceModel:
                 f = self._moe(pre, f_in, t.num_experts_per_tok, r_in)
                 x = (h.float() + f.float() * t.ffn_out_scale).to(act)
         hidden = ops.rms_norm(x, p["model.norm.weight"], eps)
-        logits = ops.linear(hidden, p["lm_head.weight"], out_dtype=torch.float32)
+        logits = self._lin(hidden, "lm_head.weight", out_dtype=torch.float32)
         return Output(logits, hidden)
 
     # --- draft ---------------------------------------------------------------------------
@@ -226,6 +308,11 @@ class ReferenceModel:
     ) -> Output:
         """One draft depth over R rows. hprev is the target's final hidden at depth 0 and the
         draft's own previous output at later depths; the output hidden serves both."""
+        if self.precision.matched:
+            return self._one_row_at_a_time(self._draft, cache, 1, positions, tokens, hprev)
+        return self._draft(tokens, hprev, positions, cache)
+
+    def _draft(self, tokens, hprev, positions, cache: KVCache | None) -> Output:
         t, d, p = self.cfg.target, self.cfg.draft, self.p
         eps, act = t.rms_norm_eps, self.precision.act_dtype
         pre = DRAFT_PREFIX

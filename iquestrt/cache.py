@@ -1,0 +1,73 @@
+"""The runtime's KV caches for one request: per target layer a full cache (F layers) or a ring
+(S layers), and the draft's ring. Containers are reference.kv_layout.LayerKV; writes and
+rollbacks go through the ops table (kernels or twins), so no slot arithmetic lives here.
+
+Invariants (the argument is in kernels/kv_cache.py):
+  * Full cache: capacity = the request's largest position + 1, slot(p) = p. Ring: window + pad
+    slots, slot(p) = p mod C, pad ≥ max_width − 1, so the ≤ max_width rows a forward writes
+    before reading never evict a position some live row's window still needs.
+  * `target_len` = committed target positions: 0 … target_len − 1 hold settled K/V; the newest
+    emitted token (position target_len) is in no target cache yet.
+  * The draft's ring starts at position 1 (position 0 has no previous hidden state);
+    `draft_next` = the next draft position to write: draft rows 1 … draft_next − 1 are settled.
+  * A round writes target positions m … m+D and draft positions up to m+D−1, then settles to
+    m+a+1 (a accepted drafts). Rollback only relabels the slots of the rejected positions EMPTY:
+    in a ring those writes overwrote positions ≤ m+D−C ≤ m−W, older than any future window start,
+    and the next round writes its rows before reading them, so no later read sees rejected data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from iquestrt.config import RuntimeConfig
+from reference.config import FULL, ModelConfig
+from reference.kv_layout import KVLayout, LayerKV
+
+DRAFT_START = 1
+
+
+@dataclass
+class RuntimeCaches:
+    target: list[LayerKV]  # one per target layer
+    draft: LayerKV
+    target_len: int = 0
+    draft_next: int = DRAFT_START
+
+    @classmethod
+    def create(
+        cls, cfg: ModelConfig, rcfg: RuntimeConfig, capacity: int, device: torch.device
+    ) -> RuntimeCaches:
+        """capacity: positions the request can reach (full caches); rings depend on windows."""
+        t = cfg.target
+        layers = []
+        for kind in t.layer_types:
+            if kind == FULL:
+                lay = KVLayout.make_full(capacity, t.num_key_value_heads, t.head_dim)
+            else:
+                lay = KVLayout.make_ring(t.sliding_window, rcfg.ring_pad, t.num_key_value_heads,
+                                         t.head_dim)
+            layers.append(LayerKV.empty(lay, device))
+        dlay = KVLayout.make_ring(cfg.draft.sliding_window, rcfg.ring_pad, t.num_key_value_heads,
+                                  t.head_dim, start=DRAFT_START)
+        return cls(layers, LayerKV.empty(dlay, device))
+
+    def settle_target(self, ops, keep: int, written: int) -> None:
+        """Keep positions < keep; positions keep … written−1 were written and are rejected."""
+        if not 0 <= keep <= written:
+            raise ValueError(f"settle_target: keep {keep} outside [0, written={written}]")
+        for layer in self.target:
+            ops.rollback(layer, keep, written)
+        self.target_len = keep
+
+    def settle_draft(self, ops, keep: int) -> None:
+        """Keep draft positions < keep (clamped to what was written)."""
+        keep = max(DRAFT_START, min(keep, self.draft_next))
+        ops.rollback(self.draft, keep, self.draft_next)
+        self.draft_next = keep
+
+    def clone(self) -> RuntimeCaches:
+        return RuntimeCaches([c.clone() for c in self.target], self.draft.clone(),
+                             self.target_len, self.draft_next)

@@ -1,0 +1,115 @@
+"""Runtime settings of the decode engine (the model's shapes live in reference/config.py).
+
+Ring sizes: a sliding layer (window W, counting the query itself) keeps a ring of W + ring_pad
+slots. A round writes up to max_width rows before reading them, so ring_pad ≥ max_width − 1 is
+what keeps every verification row's full window alive (kernels/kv_cache.py has the argument).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from reference.config import ModelConfig
+from reference.depth import FixedDepth
+
+OPS_BACKENDS = ("kernels", "twins")
+KERNEL_WIDTH = 8  # rows of the padded buffers: the tails' router handles at most 8 rows
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime setting is out of range or does not fit the model; the message names it."""
+
+
+def _require(cond: bool, field: str, msg: str) -> None:
+    if not cond:
+        raise RuntimeConfigError(f"RuntimeConfig.{field}: {msg}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    ops: str = "twins"  # "kernels": Triton (compiled on GPU, interpreter on CPU); "twins": torch
+    device: str = "cpu"
+    max_width: int = KERNEL_WIDTH  # verification rows per round: 1 committed + up to 7 drafts
+    ring_pad: int = 64  # ring slots beyond each window (real config: one 64-key tile)
+    max_positions: int | None = None  # RoPE tables / cache cap; None = max_position_embeddings
+    max_polls: int = 64  # readiness polls of a tail before it raises its failure flag
+    policy: FixedDepth = FixedDepth(3)  # draft depth per round (0 = plain decoding)
+
+    def __post_init__(self) -> None:
+        _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")
+        try:
+            torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise RuntimeConfigError(
+                f"RuntimeConfig.device: not a device: {self.device!r}"
+            ) from None
+        _require(
+            isinstance(self.max_width, int) and 1 <= self.max_width <= KERNEL_WIDTH,
+            "max_width",
+            f"must be an int in [1, {KERNEL_WIDTH}] (the kernels' row width), got {self.max_width}",
+        )
+        _require(
+            isinstance(self.ring_pad, int) and self.ring_pad >= self.max_width - 1,
+            "ring_pad",
+            f"must be >= max_width - 1 = {self.max_width - 1} (rows written before they are read "
+            f"may not evict a window still needed), got {self.ring_pad}",
+        )
+        _require(
+            self.max_positions is None or self.max_positions >= 1,
+            "max_positions",
+            f"must be >= 1 or None, got {self.max_positions}",
+        )
+        _require(
+            isinstance(self.max_polls, int) and 1 <= self.max_polls < 2**31,
+            "max_polls",
+            f"must be an int in [1, 2^31), got {self.max_polls!r}",
+        )
+        _require(
+            isinstance(self.policy, FixedDepth),
+            "policy",
+            f"must be a reference.depth.FixedDepth, got {type(self.policy).__name__}",
+        )
+        _require(
+            self.policy.max_depth <= self.max_width - 1,
+            "policy",
+            f"draft depth {self.policy.max_depth} needs {self.policy.max_depth + 1} verification "
+            f"rows; max_width is {self.max_width}",
+        )
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def positions_cap(self, cfg: ModelConfig) -> int:
+        if self.max_positions is None:
+            return cfg.target.max_position_embeddings
+        return self.max_positions
+
+    def target_ring_slots(self, cfg: ModelConfig) -> int:
+        return cfg.target.sliding_window + self.ring_pad
+
+    def draft_ring_slots(self, cfg: ModelConfig) -> int:
+        return cfg.draft.sliding_window + self.ring_pad
+
+    def validate_for(self, cfg: ModelConfig) -> None:
+        """Checks that need the model: depth within the draft's slots, caps within the model."""
+        _require(
+            self.policy.max_depth <= cfg.draft.num_draft_slots,
+            "policy",
+            f"draft depth {self.policy.max_depth} exceeds the draft's num_draft_slots="
+            f"{cfg.draft.num_draft_slots}",
+        )
+        cap = self.positions_cap(cfg)
+        _require(
+            cap <= cfg.target.max_position_embeddings,
+            "max_positions",
+            f"{cap} exceeds the model's max_position_embeddings="
+            f"{cfg.target.max_position_embeddings}",
+        )
+        _require(
+            cap >= self.max_width + 1,
+            "max_positions",
+            f"{cap} leaves no room for a prompt and a round of {self.max_width} rows",
+        )

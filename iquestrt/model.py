@@ -1,0 +1,115 @@
+"""The runtime target forward: ≤ max_width live rows of consecutive positions in a padded buffer,
+built from the ops table (iquestrt/ops.py). Prefill runs the same forward over chunks.
+
+Per layer: linear_fp8 QKV (split-K partials) → qk_rope → write_kv → attention → linear_fp8 O
+(partials) → attention tail → FFN → the next layer's normalized input.
+  * layers ≥ 1: attn_tail (residual base xn, attn_out_norm, feed_forward_norm and the folded FP32
+    router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
+    next layer's attention_norm — or the final norm after the last layer).
+  * layer 0 (sandwich norms, raw residual): attn_tail with base x and scale 1.0 computes exactly
+    h = bf16(x + attn_out_norm(a)) and f_in; the dense SwiGLU uses linear_fp8 for gate/up/down.
+    No kernel exists yet for its SiLU·up, its ffn_out_norm + residual, or the attention_norm of
+    layers 0 and 1: those are torch ops of reference/model.py's semantics (run one row at a
+    time, like the twins — see iquestrt/ops.py).
+  * final norm = the last moe_tail; lm_head = linear_bf16_f32 (FP32 logits), or linear_fp8 when
+    the checkpoint quantizes it.
+Each target layer owns one readiness flag (flags[i]); the engine reads them after the forward.
+
+Dimension letters: R rows (buffer), n live rows, H hidden, F dense intermediate, V vocabulary,
+Hq/Hkv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F_
+
+from iquestrt.ops import Live
+from iquestrt.weights import AttnWeights, DenseWeights, Fp8Linear, Weights
+from reference import ops as ref_ops
+
+
+def each_row(n: int, out: torch.Tensor, fn) -> torch.Tensor:
+    """out[r] = fn(r) [1, …] for the live rows: torch parts without a kernel, one row at a time."""
+    for r in range(n):
+        out[r : r + 1] = fn(r)
+    return out
+
+
+def rms_rows(x: torch.Tensor, w: torch.Tensor, n: int, eps: float, out_dtype=None):
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    return each_row(n, out, lambda r: ref_ops.rms_norm(x[r : r + 1], w, eps, out_dtype))
+
+
+def padded_positions(start: int, n: int, rows: int, device) -> torch.Tensor:
+    pos = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [R]; padding −1
+    pos[:n] = torch.arange(start, start + n, dtype=torch.int32, device=device)
+    return pos
+
+
+def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table):
+    """xn [R, H] bf16 → attention output [R, Hq·D] bf16 (K/V of the live rows written first)."""
+    parts = ops.linear_fp8_partials(xn, aw.qkv, live)  # [S, R, (Hq + 2·Hkv)·D]
+    q, k, v = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
+                          num_q_heads=cfg_t.num_attention_heads,
+                          num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps)
+    ops.write_kv(cache, k, v, pos, live)
+    o = ops.attention(q, cache, pos, live, aw.sink_k, cfg_t.head_dim**-0.5)  # [R, Hq, D]
+    return o.reshape(o.shape[0], cfg_t.q_size)
+
+
+def lm_head(ops, w, hidden, live: Live) -> torch.Tensor:
+    if isinstance(w, Fp8Linear):
+        return ops.linear_fp8(hidden, w, live, torch.float32)
+    return ops.linear_bf16_f32(hidden, w, live, torch.float32)  # [R, V]
+
+
+class TargetModel:
+    def __init__(self, weights: Weights, ops, width: int):
+        self.w, self.ops, self.width = weights, ops, width
+        self.t = weights.cfg.target
+
+    def forward(self, tokens: torch.Tensor, start: int, caches, flags: torch.Tensor):
+        """tokens [n] at positions start … start+n−1 (n ≤ width) → (logits [R, V] FP32,
+        hidden [R, H] bf16 after the final norm); rows ≥ n are padding."""
+        w, ops, t = self.w, self.ops, self.t
+        n, rows, dev, eps = tokens.shape[0], self.width, self.w.device, self.t.rms_norm_eps
+        if not 1 <= n <= rows:
+            raise ValueError(f"TargetModel.forward: {n} rows outside [1, {rows}]")
+        live = Live.of(n, dev)
+        pos = padded_positions(start, n, rows, dev)
+        x = torch.empty(rows, t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, H]
+        x[:n] = w.embed[tokens]
+        xn = rms_rows(x, w.layers[0].attn.attention_norm, n, eps)
+        last = len(w.layers) - 1
+        for layer in w.layers:
+            i, aw = layer.index, layer.attn
+            o = attention_block(ops, t, aw, xn, pos, live, caches.target[i], layer.rope)
+            o_parts = ops.linear_fp8_partials(o, aw.o, live)  # [S, R, H]
+            next_norm = w.norm if i == last else w.layers[i + 1].attn.attention_norm
+            if layer.dense is not None:  # layer 0: raw residual x, scale 1.0
+                tail = ops.attn_tail(o_parts, x, aw.attn_out_norm, aw.ffn_norm, live,
+                                     flags[i : i + 1], eps=eps, attn_out_scale=1.0)
+                x = self._dense(layer.dense, tail.h, tail.f_in, live)
+                xn = rms_rows(x, next_norm, n, eps)
+                continue
+            tail = ops.attn_tail(o_parts, xn, aw.attn_out_norm, aw.ffn_norm, live,
+                                 flags[i : i + 1], eps=eps, attn_out_scale=t.attn_out_scale,
+                                 router_w=layer.moe.router, top_k=layer.moe.top_k)
+            f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
+            xn = ops.moe_tail(f[None], tail.h, next_norm, live, flags[i : i + 1], eps=eps,
+                              ffn_out_scale=t.ffn_out_scale).xn
+        return lm_head(ops, w.lm_head, xn, live), xn
+
+    def _dense(self, dw: DenseWeights, h, f_in, live: Live) -> torch.Tensor:
+        """Layer 0's SwiGLU + ffn_out_norm + raw residual → x [R, H] bf16 (reference.ops.swiglu
+        with FP8 projections: gate, up, down rounded to bf16, SiLU·up rounded to bf16)."""
+        ops, n, eps = self.ops, live.n, self.t.rms_norm_eps
+        g = ops.linear_fp8(f_in, dw.gate, live, torch.bfloat16)  # [R, F]
+        u = ops.linear_fp8(f_in, dw.up, live, torch.bfloat16)
+        act = each_row(n, torch.empty_like(g), lambda r: (
+            F_.silu(g[r : r + 1].float()) * u[r : r + 1].float()).to(torch.bfloat16))
+        f = ops.linear_fp8(act, dw.down, live, torch.bfloat16)  # [R, H]
+        return each_row(n, torch.empty_like(h), lambda r: (
+            h[r : r + 1].float()
+            + ref_ops.rms_norm(f[r : r + 1], dw.ffn_out_norm, eps).float()).to(torch.bfloat16))

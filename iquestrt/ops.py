@@ -1,0 +1,232 @@
+"""The one table of device ops the runtime model calls, in two implementations of identical
+semantics: "kernels" (the Triton wrappers of kernels/, compiled on a GPU, interpreted on the CPU)
+and "twins" (their reference twins). Nothing outside this file knows which one runs.
+
+Conventions (the kernels'): every op works on a padded buffer of R rows (R = max_width), of which
+the first n are live; `Live` carries n as a device int32 [1] (what kernels read) and as a host int
+(what twins and the torch parts read). Outputs are [R, …]; padding rows are never read. Twins
+return live rows only; the adapters here write them into padded outputs whose padding rows hold
+NaN (ids −1), so a read of padding shows.
+
+Twins run one live row at a time. The kernels are batch-invariant (a row rides on the narrow side
+of every MMA, so its bits do not depend on its batch-mates); torch's CPU GEMMs are not (MKL's
+blocking depends on the row count). Row-at-a-time twin calls keep that invariance, and
+reference/model.py's Precision "matched" computes the same way, so twins equal it bit for bit.
+The sampler twin is called on the same row groups as reference/speculative.py (all verification
+rows together, one draft row at a time).
+
+Dimension letters: R rows (buffer), n live rows, S split-K partials, N/K GEMM out/in, H hidden,
+Hq/Hkv heads, D head dim, E experts, K top-k, V vocabulary, W served width, Db draft buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from iquestrt.weights import Fp8Linear, MoeWeights
+from kernels import attention as k_attention
+from kernels import kv_cache as k_kv
+from kernels import linear as k_linear
+from kernels import moe as k_moe
+from kernels import qk_rope as k_qk
+from kernels import sampler as k_sampler
+from kernels import tails as k_tails
+from kernels import verify as k_verify
+from kernels.sampler import SampleOut
+from kernels.verify import VerifyOut
+from reference import dense_twins, fp8_ops, kv_layout, sampling_twins
+from reference import tails as t_tails
+from reference.tails import AttnTailOut, MoeTailOut
+
+ROLLBACK_ROWS = 8  # the rollback kernel's width: positions one settlement may relabel
+NAN = float("nan")
+
+
+@dataclass(frozen=True)
+class Live:
+    n: int  # live rows, host copy
+    t: torch.Tensor  # [1] int32 on the device
+
+    @classmethod
+    def of(cls, n: int, device) -> Live:
+        return cls(n, torch.tensor([n], dtype=torch.int32, device=device))
+
+
+def _rows(n: int, fn) -> torch.Tensor:
+    """[n, …]: fn(r) [1, …] for each live row r, one twin call per row."""
+    return torch.cat([fn(r) for r in range(n)])
+
+
+def _padded(live_rows: torch.Tensor, rows: int, device, fill=NAN) -> torch.Tensor:
+    out = torch.full((rows, *live_rows.shape[1:]), fill, dtype=live_rows.dtype, device=device)
+    out[: live_rows.shape[0]] = live_rows.to(device)
+    return out
+
+
+class TwinOps:
+    name = "twins"
+
+    def __init__(self, device: torch.device, max_polls: int):
+        self.dev = device
+
+    def reset(self) -> None:
+        pass
+
+    def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
+        y = _rows(live.n, lambda r: dense_twins.linear_fp8_ref(x[r : r + 1], lin.w, lin.s,
+                                                                out_dtype=out_dtype))
+        return _padded(y, x.shape[0], self.dev)  # [R, N]
+
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
+        """[1, R, N] FP32: the twin is one GEMM, i.e. a single partial."""
+        return self.linear_fp8(x, lin, live, torch.float32)[None]
+
+    def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
+        y = _rows(live.n, lambda r: dense_twins.linear_bf16_f32_ref(x[r : r + 1], w,
+                                                                     out_dtype=out_dtype))
+        return _padded(y, x.shape[0], self.dev)
+
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
+                num_kv_heads, eps):
+        outs = [dense_twins.qk_rope_ref(parts[:, r : r + 1], q_norm, k_norm, positions[r : r + 1],
+                                        table, num_q_heads=num_q_heads,
+                                        num_kv_heads=num_kv_heads, eps=eps)
+                for r in range(live.n)]
+        rows = parts.shape[1]
+        return tuple(_padded(torch.cat([o[i] for o in outs]), rows, self.dev) for i in range(3))
+
+    def write_kv(self, cache, k, v, positions, live: Live) -> None:
+        kv_layout.write_ref(cache, k, v, positions, live.n)
+
+    def rollback(self, cache, keep: int, written: int) -> None:
+        if not 0 <= written - keep <= ROLLBACK_ROWS:
+            raise ValueError(f"rollback: {written} − {keep} positions outside "
+                             f"[0, {ROLLBACK_ROWS}]")
+        kv_layout.rollback_ref(cache, keep, written)
+
+    def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
+        out = torch.full(q.shape, NAN, dtype=q.dtype, device=self.dev)
+        return kv_layout.attention_ref(q, cache, positions, live.n, sink_k, scale, out=out)
+
+    def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
+                  attn_out_scale, router_w=None, top_k=0) -> AttnTailOut:
+        outs = [t_tails.attn_tail_ref(parts[:, r : r + 1], xn[r : r + 1], attn_out_norm, ffn_norm,
+                                      1, flag, eps=eps, attn_out_scale=attn_out_scale,
+                                      router_w=router_w, top_k=top_k)
+                for r in range(live.n)]
+        rows = parts.shape[1]
+        res = AttnTailOut(_padded(torch.cat([o.h for o in outs]), rows, self.dev),
+                          _padded(torch.cat([o.f_in for o in outs]), rows, self.dev))
+        if router_w is not None:
+            res.ids = _padded(torch.cat([o.ids for o in outs]), rows, self.dev, -1)
+            res.weights = _padded(torch.cat([o.weights for o in outs]), rows, self.dev)
+        return res
+
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale) -> MoeTailOut:
+        xn = _rows(live.n, lambda r: t_tails.moe_tail_ref(
+            parts[:, r : r + 1], h[r : r + 1], next_norm, 1, flag, eps=eps,
+            ffn_out_scale=ffn_out_scale).xn)
+        return MoeTailOut(_padded(xn, parts.shape[1], self.dev))
+
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+        y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
+            x[r : r + 1], weights[r : r + 1], ids[r : r + 1], m.fc, m.fc_s, m.proj, m.proj_s,
+            out_dtype=out_dtype))
+        return _padded(y, x.shape[0], self.dev)
+
+    def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
+        tok, ids, probs = sampling_twins.sample_ref(logits, params, seed, positions, purpose,
+                                                    n_live=live.n)
+        rows = logits.shape[0]
+        return SampleOut(_padded(tok, rows, self.dev, -1), _padded(ids, rows, self.dev, -1),
+                         _padded(probs, rows, self.dev, 0.0))
+
+    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first: int,
+               n_drafts: Live) -> VerifyOut:
+        a, tok, bonus, emitted = sampling_twins.verify_ref(
+            p.ids, p.probs, q_ids, q_probs, drafts, seed, first, n_drafts=n_drafts.n)
+        em = torch.full((drafts.shape[0] + 1,), -1, dtype=torch.int64, device=self.dev)
+        em[: len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
+        i32 = dict(dtype=torch.int32, device=self.dev)
+        return VerifyOut(torch.tensor([a], **i32),
+                         torch.tensor([tok], dtype=torch.int64, device=self.dev),
+                         torch.tensor([int(bonus)], **i32), em)
+
+
+class KernelOps:
+    name = "kernels"
+
+    def __init__(self, device: torch.device, max_polls: int):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "ops='kernels' on the CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before the first import of a kernels module (or use ops='twins')"
+            )
+        self.dev, self.max_polls = device, max_polls
+        self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
+
+    def reset(self) -> None:
+        """After a failure flag: restore the router scratch invariant (kernels/tails.py)."""
+        for s in self._scratch.values():
+            s.reset()
+
+    def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
+        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype)
+
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
+        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t)  # [S, R, N]
+
+    def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
+        return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype)
+
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
+                num_kv_heads, eps):
+        return k_qk.qk_rope(parts, q_norm, k_norm, positions, table, live.t,
+                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+
+    def write_kv(self, cache, k, v, positions, live: Live) -> None:
+        k_kv.write_kv(cache, k, v, positions, live.t)
+
+    def rollback(self, cache, keep: int, written: int) -> None:
+        k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS)
+
+    def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
+        return k_attention.attention(q, cache, positions, live.t, sink_k, scale)
+
+    def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
+                  attn_out_scale, router_w=None, top_k=0) -> AttnTailOut:
+        scratch = None
+        if router_w is not None:
+            key = tuple(router_w.shape)
+            if key not in self._scratch:
+                self._scratch[key] = k_tails.RouterScratch.create(key[1], key[0], self.dev)
+            scratch = self._scratch[key]
+        return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
+                                 attn_out_scale=attn_out_scale, max_polls=self.max_polls,
+                                 router_w=router_w, top_k=top_k, scratch=scratch)
+
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale) -> MoeTailOut:
+        return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
+                                ffn_out_scale=ffn_out_scale, max_polls=self.max_polls)
+
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+        return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
+                             out_dtype=out_dtype)
+
+    def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
+        return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)
+
+    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first: int,
+               n_drafts: Live) -> VerifyOut:
+        return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
+                               n_drafts=n_drafts.t)
+
+
+def make_ops(name: str, device, max_polls: int):
+    table = {"kernels": KernelOps, "twins": TwinOps}
+    if name not in table:
+        raise ValueError(f"ops: unknown backend {name!r}; choose one of {sorted(table)}")
+    return table[name](torch.device(device), max_polls)

@@ -1,0 +1,134 @@
+"""Shared setup of the engine tests (no tests here): checkpoints, a plain prefill of a committed
+sequence, and the cache comparison.
+
+Cache checks compare a runtime LayerKV with the rows a clean cache holds: the reference
+generator's caches (plain truncation semantics), or a plain prefill of the committed tokens.
+
+Checkpoints. `make_synthetic_checkpoint("tiny")` has a draft unrelated to its target: at
+temperature 0 it never accepts a draft, so rollback of partially accepted rounds, the bonus token
+and two-row catch-up would go untested. The "correlated" checkpoint is the same synthetic model
+with deterministic edits that make the draft agree with the target often but not always:
+  * the target's layers ≥ 1 scale attn_out_norm and the experts' down projection by ALPHA, so
+    the normalized residual keeps the current token's embedding direction to the last layer;
+  * both lm_heads add GAMMA · embed[π⁻¹(v)] / √H to row v (π a fixed random permutation), so
+    both models lean towards predicting π(current token);
+  * the draft shares the target's embedding and its eh_proj passes the embedding half through
+    (+ 3·I), so the draft sees the current token the same way.
+On the tiny preset this gives greedy rounds with 0, 1, 2 and 3 accepted drafts (mean accepted
+length ≈ 2.6 at depth 3) and a non-degenerate token stream.
+
+Dimension letters: V vocabulary, H hidden, T positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from iquestrt.cache import RuntimeCaches
+from iquestrt.engine import Engine
+from reference.checkpoint import make_synthetic_checkpoint, save_checkpoint
+from reference.config import SamplingDefaults, preset
+from reference.kv_layout import EMPTY
+from reference.synthetic import synthetic_params
+
+GREEDY = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0)
+SAMPLING = SamplingDefaults(temperature=1.0, top_k=20, top_p=0.95)  # the model's defaults
+ALPHA, GAMMA = 0.35, 4.0
+
+
+def correlated_params(seed: int = 0) -> dict[str, torch.Tensor]:
+    cfg = preset("tiny")
+    p = synthetic_params(cfg, seed)
+    v, h = cfg.target.vocab_size, cfg.target.hidden_size
+    perm = torch.randperm(v, generator=torch.Generator().manual_seed(seed + 1))  # [V]
+    emb = p["model.embed_tokens.weight"]  # [V, H]
+    succ = torch.empty(v, h)
+    succ[perm] = emb  # row π(t) = embed[t]: logits of π(t) grow with the current token t
+    for name in ("lm_head.weight", "mtp.lm_head.weight"):
+        p[name] = p[name] + GAMMA * succ / h**0.5
+    p["mtp.embed_tokens.weight"] = emb.clone()
+    p["mtp.eh_proj.weight"][:, :h] += 3.0 * torch.eye(h)
+    for i in range(1, cfg.target.num_hidden_layers):
+        for name in ("attn_out_norm.weight", "mlp.experts.proj"):
+            p[f"model.layers.{i}.{name}"] = p[f"model.layers.{i}.{name}"] * ALPHA
+    return {k: t if t.dtype == torch.float32 and k.endswith("router.weight")
+            else t.to(torch.bfloat16).float() for k, t in p.items()}
+
+
+def make_ckpt(directory: Path, kind: str) -> Path:
+    if kind == "synthetic":
+        make_synthetic_checkpoint(directory, "tiny", 0, fmt="fp8")
+    else:
+        save_checkpoint(directory, preset("tiny"), correlated_params(0), "fp8")
+    return directory
+
+
+def rounds_key(res) -> list:
+    """Everything a round records: position, drafts (token, q(token), entropy), accepted, emitted,
+    bonus."""
+    return [(r.position, [(d.token, d.prob, d.entropy) for d in r.drafts], r.accepted, r.emitted,
+             r.bonus) for r in res.rounds]
+
+
+def prefill(engine: Engine, tokens: list[int]):
+    """A plain prefill of `tokens` through the engine's target (chunks of max_width rows) →
+    (logits [T, V] FP32, hidden [T, H] bf16, caches holding positions 0 … T−1)."""
+    dev, rows = engine.w.device, engine.rcfg.max_width
+    caches = RuntimeCaches.create(engine.cfg, engine.rcfg, len(tokens) + rows, dev)
+    flags = torch.zeros(engine.cfg.target.num_hidden_layers, dtype=torch.int32, device=dev)
+    logits, hidden = [], []
+    for c in range(0, len(tokens), rows):
+        chunk = torch.tensor(tokens[c : c + rows], device=dev)
+        lg, hd = engine.target.forward(chunk, c, caches, flags)
+        logits.append(lg[: len(chunk)].clone())
+        hidden.append(hd[: len(chunk)].clone())
+    assert not flags.any()
+    caches.target_len = len(tokens)
+    return torch.cat(logits), torch.cat(hidden), caches
+
+
+def held(cache) -> tuple:
+    """(positions [L], K [L, Hkv, D], V [L, Hkv, D]) a runtime LayerKV labels as held."""
+    lab = cache.slot_pos.cpu()
+    keep = lab != EMPTY
+    return lab[keep].long(), cache.k.cpu()[keep], cache.v.cpu()[keep]
+
+
+def reference_held(cache, layer: int) -> tuple:
+    """The same triple from a reference KVCache (plain rows start … start+L−1)."""
+    return cache.positions(layer), cache.k[layer].cpu(), cache.v[layer].cpu()
+
+
+def cache_problems(ours, committed: int, want: tuple) -> list[str]:
+    """How a runtime LayerKV `ours` with positions < committed settled differs from a cache
+    that never saw a rejected row, whose held rows are `want` (positions, K, V); [] if not:
+      (1) no slot of ours is labelled with an uncommitted position;
+      (2) every labelled slot holds a position of `want`, with bit-identical K and V;
+      (3) every position a future query may read (full: all committed; ring: the newest token's
+          window) is held.
+    In a ring, slots whose positions were overwritten by rejected rows become EMPTY: those
+    positions are older than every future window (kernels/kv_cache.py), so (3) does not ask
+    for them."""
+    problems = []
+    pos, k, v = held(ours)
+    stale = pos[pos >= committed]
+    if len(stale):
+        problems.append(f"slots labelled with uncommitted positions {sorted(stale.tolist())[:5]} "
+                        f"(committed < {committed})")
+    w_pos, w_k, w_v = want
+    index = {int(p): i for i, p in enumerate(w_pos.tolist())}
+    rows = [index.get(int(p), -1) for p in pos.tolist()]
+    if -1 in rows:
+        problems.append(f"holds positions the clean cache lacks: {pos[rows.index(-1)].item()}")
+    else:
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        if not (torch.equal(k, w_k[rows_t]) and torch.equal(v, w_v[rows_t])):
+            problems.append("K/V of held positions differ from the clean cache")
+    lay = ours.layout
+    lo = lay.start if lay.window is None else max(lay.start, committed - lay.window + 1)
+    missing = sorted(set(range(lo, committed)) - set(pos.tolist()))
+    if missing:
+        problems.append(f"readable positions {missing[:5]} not held")
+    return problems
