@@ -85,6 +85,25 @@ class Engine:
     def from_checkpoint(cls, directory, rcfg: RuntimeConfig) -> Engine:
         return cls(load_weights(directory, rcfg.device, rcfg.max_positions), rcfg)
 
+    def prefill_logits(self, tokens: list[int]):
+        """A plain prefill of `tokens` through the target in chunks of max_width rows (the decode
+        path) → (logits [T, V] FP32, hidden [T, H], caches holding positions 0 … T−1). Used by
+        qualification (runtime vs reference) and the tests; generate() runs the same forward."""
+        dev, rows = self.w.device, self.rcfg.max_width
+        caches = RuntimeCaches.create(self.cfg, self.rcfg, len(tokens) + rows, dev)
+        flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32, device=dev)
+        logits, hidden = [], []
+        for c in range(0, len(tokens), rows):
+            chunk = torch.tensor(tokens[c : c + rows], device=dev)
+            lg, hd = self.target.forward(chunk, c, caches, flags)
+            logits.append(lg[: len(chunk)].clone())
+            hidden.append(hd[: len(chunk)].clone())
+        if flags.any():
+            layer = int(flags.nonzero()[0])
+            raise EngineError(f"prefill_logits: readiness failure flag at layer {layer}")
+        caches.target_len = len(tokens)
+        return torch.cat(logits), torch.cat(hidden), caches
+
     # --- input checks (host only) -------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         t = self.cfg.target

@@ -20,7 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qualification import distribution, goldens, ring_gate, sampler_gate, stability
+from qualification import (
+    distribution,
+    goldens,
+    ring_gate,
+    runtime_gate,
+    sampler_gate,
+    stability,
+)
 from qualification.gates import (
     FAIL,
     NOT_BUILT,
@@ -108,6 +115,13 @@ def gate_goldens(q: QualifyConfig, models) -> GateResult:
     return GateResult("3 bit-exactness (reference CPU)", verdict, f"{n} cases", evidence)
 
 
+def gate_runtime(q: QualifyConfig, models) -> GateResult:
+    """The engine (twins on CPU, kernels on GPU) vs the matched and FP32 references."""
+    cfg = runtime_gate.RuntimeGateConfig(prompts=1 if q.quick else 2)
+    ok, margin, evidence = runtime_gate.run(cfg)
+    return GateResult("1 runtime vs reference", PASS if ok else FAIL, margin, evidence)
+
+
 def gate_stability(q: QualifyConfig, models) -> GateResult:
     """Candidate: the folded-router BF16 mode (the runtime's numerical change), until issue 4."""
     fold = ReferenceModel(models["bf16"].cfg, models["_params"], "bf16-fold")
@@ -155,7 +169,7 @@ def _not_built(name: str, why: str) -> Callable:
 
 GATES: tuple[Callable, ...] = (
     gate_reference_consistency,
-    _not_built("1 runtime vs reference", "needs the runtime (issues 4, 5)"),
+    gate_runtime,
     gate_stability,
     gate_goldens,
     gate_rings,

@@ -48,11 +48,13 @@ def _logits(model: ReferenceModel, tokens: torch.Tensor) -> torch.Tensor:
 
 def run(
     fp32: ReferenceModel,
-    bf16: ReferenceModel,
+    lower: ReferenceModel,
     candidate: Callable[[torch.Tensor], torch.Tensor],  # tokens [T] → logits [T, V]
     cfg: StabilityConfig | None = None,
 ) -> tuple[bool, float, list[str]]:
-    """(all positions pass, worst cand/(m·band + floor), evidence lines)."""
+    """(all positions pass, worst cand/(m·band + floor), evidence lines). `lower` is the
+    lower-precision reference whose envelope sets the band (BF16, or "matched" for the FP8
+    runtime)."""
     cfg = cfg or StabilityConfig()
     gen = torch.Generator().manual_seed(cfg.seed)
     vocab = fp32.cfg.target.vocab_size
@@ -62,10 +64,10 @@ def run(
         toks = torch.randint(0, vocab, (cfg.length + extra,), generator=gen)
         prompt = toks[: cfg.length]
         ref = _logits(fp32, prompt)  # [T, V]
-        band = _rel_rms(_logits(bf16, prompt), ref)
+        band = _rel_rms(_logits(lower, prompt), ref)
         for a in cfg.appends:
             band = torch.maximum(
-                band, _rel_rms(_logits(bf16, toks[: cfg.length + a])[: cfg.length], ref)
+                band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
             )
         cand = _rel_rms(candidate(prompt), ref)
         allowed = cfg.multiple * band + cfg.floor

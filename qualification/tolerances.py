@@ -276,6 +276,13 @@ _ROWS: tuple[Tolerance, ...] = (
         "max p >= 1/n: 2.6e-4. Typical measured error is ~1e-7",
         "exact-match acceptance, replacement from p (tests/test_rejection.py), >= 1e-2",
     ),
+    # --- runtime vs reference (gate 1) ---------------------------------------------------------
+    Tolerance(
+        "runtime.vs_matched", "twins", 0.0, 0.0,
+        "the runtime's twins ops compose the same reference twins, row by row, in the order of "
+        "reference Precision 'matched': the logits are the same bits",
+        "the runtime without FP8 activation quantization (bf16-fold): tests/test_engine.py",
+    ),
     # --- kernels (issue 3) ------------------------------------------------------------------
     # kernels/fp8 rows
     Tolerance(

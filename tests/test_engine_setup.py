@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from iquestrt.cache import RuntimeCaches
 from iquestrt.engine import Engine
 from reference.checkpoint import make_synthetic_checkpoint, save_checkpoint
 from reference.config import SamplingDefaults, preset
@@ -75,18 +74,7 @@ def rounds_key(res) -> list:
 def prefill(engine: Engine, tokens: list[int]):
     """A plain prefill of `tokens` through the engine's target (chunks of max_width rows) →
     (logits [T, V] FP32, hidden [T, H] bf16, caches holding positions 0 … T−1)."""
-    dev, rows = engine.w.device, engine.rcfg.max_width
-    caches = RuntimeCaches.create(engine.cfg, engine.rcfg, len(tokens) + rows, dev)
-    flags = torch.zeros(engine.cfg.target.num_hidden_layers, dtype=torch.int32, device=dev)
-    logits, hidden = [], []
-    for c in range(0, len(tokens), rows):
-        chunk = torch.tensor(tokens[c : c + rows], device=dev)
-        lg, hd = engine.target.forward(chunk, c, caches, flags)
-        logits.append(lg[: len(chunk)].clone())
-        hidden.append(hd[: len(chunk)].clone())
-    assert not flags.any()
-    caches.target_len = len(tokens)
-    return torch.cat(logits), torch.cat(hidden), caches
+    return engine.prefill_logits(tokens)
 
 
 def held(cache) -> tuple:

@@ -112,3 +112,20 @@ def test_ring_gate_catches_ring_mutants(mutant, message):
     assert ok, evidence
     ok, evidence = ring_gate.check_case(g.cases[0], g, torch.device("cpu"), **mutant)
     assert not ok and message in evidence[0], evidence
+
+
+def test_runtime_gate_passes_and_fails_a_runtime_without_sinks(monkeypatch):
+    from iquestrt import ops as rt_ops
+    from qualification import runtime_gate
+
+    cfg = runtime_gate.RuntimeGateConfig(prompts=1)
+    ok, margin, evidence = runtime_gate.run(cfg)
+    assert ok and margin.startswith("bit-exact"), evidence
+    real = rt_ops.TwinOps.attention
+
+    def no_sink(self, q, cache, positions, live, sink_k, scale):
+        return real(self, q, cache, positions, live, None, scale)
+
+    monkeypatch.setattr(rt_ops.TwinOps, "attention", no_sink)
+    ok, margin, evidence = runtime_gate.run(cfg)
+    assert not ok and "NOT bit-exact" in evidence[0], evidence
