@@ -48,7 +48,9 @@ def ckpt(tmp_path_factory):
 
 
 def _engine(ck, ops: str) -> Engine:
-    rcfg = RuntimeConfig(ops=ops, ring_pad=8, max_positions=256, policy=FixedDepth(3))
+    # kernels need compiled launches on a GPU; on a CPU the interpreter (tests/conftest.py)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    rcfg = RuntimeConfig(ops=ops, device=dev, ring_pad=8, max_positions=256, policy=FixedDepth(3))
     return Engine(from_checkpoint(ck, rcfg.device, 256), rcfg)
 
 
