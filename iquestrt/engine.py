@@ -36,7 +36,7 @@ from iquestrt.weights import Weights, load_weights
 from kernels.sampler import MAX_TOP_K
 from reference.depth import DraftInfo
 from reference.rng import Purpose
-from reference.speculative import GenerationRequest, GenerationResult, RoundRecord
+from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, emit
 
 
 class EngineError(RuntimeError):
@@ -258,14 +258,4 @@ class Engine:
 
     @staticmethod
     def _emit(st: Session, emitted: list[int]) -> bool:
-        """Append emitted tokens honouring stop tokens and the budget (reference semantics)."""
-        res, req = st.result, st.req
-        for tok in emitted:
-            res.tokens.append(tok)
-            if tok in req.stop_ids:
-                res.stop_reason = "stop"
-                return True
-            if len(res.tokens) >= req.max_new_tokens:
-                res.stop_reason = "length"
-                return True
-        return False
+        return emit(st.result, st.req, emitted)

@@ -96,6 +96,20 @@ def _sample_rows(logits, params, seed, positions, purpose):
     return draw(probs, u), probs
 
 
+def emit(result: GenerationResult, req: GenerationRequest, emitted: list[int]) -> bool:
+    """Append emitted tokens, honouring stop tokens and the budget; True when finished. Shared by
+    the reference and the runtime so both trim a round's tokens the same way."""
+    for tok in emitted:
+        result.tokens.append(tok)
+        if tok in req.stop_ids:
+            result.stop_reason = "stop"
+            return True
+        if len(result.tokens) >= req.max_new_tokens:
+            result.stop_reason = "length"
+            return True
+    return False
+
+
 class ReferenceGenerator:
     """Slow reference decoding; `policy` FixedDepth(0) is plain sampling."""
 
@@ -118,7 +132,7 @@ class ReferenceGenerator:
             out.logits[-1:], req.sampling, req.seed, torch.tensor([n]), Purpose.TARGET_SAMPLE
         )
         result = GenerationResult(tokens=[])
-        if self._emit(result, req, [int(first)]):
+        if emit(result, req, [int(first)]):
             return result
         tokens.append(int(first))
         while True:
@@ -143,7 +157,7 @@ class ReferenceGenerator:
             dcache.truncate(min(m + a + 1, dcache.next_position))
             hidden = {m + j: vout.hidden[j] for j in range(a + 1)}
             rec = RoundRecord(m, drafts, a, emitted, res.bonus)
-            done = self._emit(result, req, emitted)
+            done = emit(result, req, emitted)
             rec.emitted = emitted[: len(result.tokens) - (len(tokens) - len(req.prompt_ids))]
             result.rounds.append(rec)
             if on_round is not None:
@@ -173,20 +187,6 @@ class ReferenceGenerator:
             if not self.policy.more(drafts) or len(drafts) >= self.policy.max_depth:
                 return drafts, q_rows
             tok, h, pos = torch.tensor([y]), out.hidden[-1:], nxt
-
-    @staticmethod
-    def _emit(result: GenerationResult, req: GenerationRequest, emitted: list[int]) -> bool:
-        """Append emitted tokens, honouring stop tokens and the budget; True when finished."""
-        for tok in emitted:
-            result.tokens.append(tok)
-            if tok in req.stop_ids:
-                result.stop_reason = "stop"
-                return True
-            if len(result.tokens) >= req.max_new_tokens:
-                result.stop_reason = "length"
-                return True
-        return False
-
 
 def generate(model: ReferenceModel, req: GenerationRequest, depth: int = 0, **kw):
     """Convenience: reference generation with a fixed draft depth."""
