@@ -53,6 +53,7 @@ from reference.config import SamplingDefaults
 from reference.rng import MASK32, Purpose
 
 MAX_TOP_K = 64
+SELECTS = ("rounds", "bitonic")
 EMPTY = tl.constexpr(-(2**63) + 1)  # below every real key
 U24 = tl.constexpr(5.9604644775390625e-08)  # 2^-24
 _COMPILE = dict(enable_fp_fusion=False, enable_reflect_ftz=False)  # ignored by the interpreter
@@ -137,6 +138,23 @@ def draw_stored(vals_ptr, ids_ptr, n, N: tl.constexpr, u):
     return tl.load(ids_ptr + tl.where(pick < 0, last, pick))
 
 
+@triton.jit
+def top_keys(keys, K: tl.constexpr, KP: tl.constexpr, BITONIC: tl.constexpr):
+    """The K largest keys of `keys` (distinct, or EMPTY) in descending order, then EMPTY: [KP].
+    Either K rounds of max-and-remove, or a bitonic top-KP (tl.topk); the keys are distinct, so
+    both give the same bits and the choice is a launch-configuration one."""
+    slot = tl.arange(0, KP)
+    if BITONIC:
+        top = tl.where(slot < K, tl.topk(keys, KP), EMPTY)
+    else:
+        top = tl.full([KP], EMPTY, tl.int64)
+        for i in range(K):
+            best = tl.max(keys, axis=0)
+            top = tl.where(slot == i, best, top)
+            keys = tl.where(keys == best, EMPTY, keys)
+    return top
+
+
 # --- kernels ---------------------------------------------------------------------------------
 
 
@@ -145,6 +163,7 @@ def _scan_kernel(
     x_ptr, cand_ptr, n_live_ptr, temperature, id_offset,
     shard_base, shard_rem, stride_xr, stride_cr, stride_cs, stride_ct,
     K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, GREEDY: tl.constexpr,
+    BITONIC: tl.constexpr,
 ):
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
@@ -165,11 +184,7 @@ def _scan_kernel(
         z = tl.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * temperature)
     keys = tl.where(live, order_key(z, idx), EMPTY)  # [TILE]
     slot = tl.arange(0, KP)
-    top = tl.full([KP], EMPTY, tl.int64)
-    for i in range(K):
-        best = tl.max(keys, axis=0)
-        top = tl.where(slot == i, best, top)
-        keys = tl.where(keys == best, EMPTY, keys)
+    top = top_keys(keys, K, KP, BITONIC)
     tl.store(cand_ptr + row * stride_cr + s * stride_cs + t * stride_ct + slot, top)
 
 
@@ -181,7 +196,7 @@ def _merge_kernel(
     pos_ptr, seed, seed_ptr, n_live_ptr, top_p, apply_top_p, purpose, index,
     K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr,
     FINAL: tl.constexpr, GREEDY: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
-    LIBDEVICE: tl.constexpr,
+    LIBDEVICE: tl.constexpr, BITONIC: tl.constexpr,
 ):
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
@@ -201,11 +216,7 @@ def _merge_kernel(
     keys = tl.load(base + g * stride_cg + sl, mask=ok & (gm >= tau), other=EMPTY)
     keys = tl.where(keys >= tau, keys, EMPTY)
     slot = tl.arange(0, KP)
-    top = tl.full([KP], EMPTY, tl.int64)  # [KP] (z desc, id asc)
-    for i in range(K):
-        best = tl.max(keys, axis=0)
-        top = tl.where(slot == i, best, top)
-        keys = tl.where(keys == best, EMPTY, keys)
+    top = top_keys(keys, K, KP, BITONIC)  # [KP] (z desc, id asc)
     if not FINAL:
         tl.store(keys_ptr + row * stride_kr + s * stride_ks + slot, top)
         return
@@ -271,10 +282,13 @@ class SamplerLaunch:
     tile: int  # vocabulary entries per scan program (power of two)
     scan_warps: int
     merge_warps: int
+    select: str = "rounds"  # top-K selection: "rounds" (K × max-and-remove) or "bitonic"
 
     def __post_init__(self) -> None:
         if self.tile < 16 or self.tile & (self.tile - 1):
             raise ValueError(f"SamplerLaunch.tile: power of two >= 16, got {self.tile}")
+        if self.select not in SELECTS:
+            raise ValueError(f"SamplerLaunch.select: one of {SELECTS}, got {self.select!r}")
 
 
 def sampler_launch(shard_vocab: int) -> SamplerLaunch:
@@ -372,7 +386,8 @@ def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0):
     _scan_kernel[(R, shards, tiles)](
         x, cand, n_live, float(temperature), id_offset, base, rem, x.stride(0),
         *cand.stride()[:3],
-        K=k, KP=kp, TILE=cfg.tile, GREEDY=greedy, num_warps=cfg.scan_warps, **_COMPILE,
+        K=k, KP=kp, TILE=cfg.tile, GREEDY=greedy, BITONIC=cfg.select == "bitonic",
+        num_warps=cfg.scan_warps, **_COMPILE,
     )
     return cand
 
@@ -403,7 +418,7 @@ def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None):
         purpose, index,
         K=k, KP=kp, GP=triton.next_power_of_2(groups), CP=cp, FINAL=final is not None,
         GREEDY=greedy, SEED_FROM_PTR=seed_t is not None, LIBDEVICE=not _interpreting(),
-        num_warps=cfg.merge_warps, **_COMPILE,
+        BITONIC=cfg.select == "bitonic", num_warps=cfg.merge_warps, **_COMPILE,
     )
 
 

@@ -48,8 +48,9 @@ def ckpt(tmp_path_factory):
 
 
 def _engine(ck, ops: str) -> Engine:
-    # kernels need compiled launches on a GPU; on a CPU the interpreter (tests/conftest.py)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    # kernels need compiled launches on a GPU; on a CPU the interpreter (tests/conftest.py).
+    # The twins stay on the CPU, where they equal the matched reference bit for bit.
+    dev = "cuda" if torch.cuda.is_available() and ops == "kernels" else "cpu"
     rcfg = RuntimeConfig(ops=ops, device=dev, ring_pad=8, max_positions=256, policy=FixedDepth(3))
     return Engine(from_checkpoint(ck, rcfg.device, 256), rcfg)
 
@@ -197,6 +198,7 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     for i, layer in enumerate(st.target):
         assert cache_problems(layer, st.target_len, held(caches.target[i])) == [], f"layer {i}"
     # against the twins and the matched reference, on the kernels' own sequence
+    logits_k = logits_k.cpu()
     twins = _engine(ckpt, "twins")
     logits_t, _, _ = prefill(twins, committed)
     model = ReferenceModel(ckpt.cfg, ckpt.dequantized(), "matched")
@@ -239,6 +241,7 @@ def test_kernels_sampling_lockstep_and_twins(ckpt):
     # logits (the lockstep above shows equal logits give equal decisions)
     for k, t in zip(k_served, t_served, strict=False):
         assert k[:2] == t[:2], "the runs diverged before any served row differed"
+        k = [x.cpu() if isinstance(x, torch.Tensor) else x for x in k]
         if not (torch.equal(k[2], t[2]) and torch.allclose(k[3], t[3], rtol=0, atol=2.0**-21)):
             delta = float((k[4] - t[4]).abs().max())
             print(f"\nkernels vs twins (sampling): first different served row at purpose "

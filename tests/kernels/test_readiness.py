@@ -414,12 +414,17 @@ def test_gpu_consumer_waits_for_a_late_producer(device):
     run on the finished buffer."""
     part, resid, norms, rw, n_live = _gpu_scene(device)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
-    ref = attn_tail(part, resid, *norms, n_live, flag, eps=EPS, attn_out_scale=1.0,
-                    max_polls=1, router_w=rw, top_k=8)
-    torch.cuda.synchronize()
-    assert flag.item() == 0
-    buf = torch.full_like(part, float("nan"))
     polls = torch.zeros(8, dtype=torch.int32, device=device)
+    # The reference run uses the consumer's exact arguments, so it also JIT-compiles the very
+    # specialization the race launches (Triton specializes max_polls == 1 and polls=None
+    # differently); compiling inside the race takes longer than the producer's spin and
+    # the consumer would then find the buffer already finished.
+    ref = attn_tail(part, resid, *norms, n_live, flag, eps=EPS, attn_out_scale=1.0,
+                    max_polls=2**30, router_w=rw, top_k=8, polls=polls)
+    torch.cuda.synchronize()
+    assert flag.item() == 0 and polls.max().item() == 1
+    buf = torch.full_like(part, float("nan"))
+    polls.zero_()
     prod, cons = torch.cuda.Stream(), torch.cuda.Stream()
     torch.cuda.synchronize()
     with torch.cuda.stream(prod):
