@@ -36,6 +36,8 @@ class RuntimeConfig:
     max_positions: int | None = None  # RoPE tables / cache cap; None = max_position_embeddings
     max_polls: int = 64  # readiness polls of a tail before it raises its failure flag
     policy: FixedDepth = FixedDepth(3)  # draft depth per round (0 = plain decoding)
+    graphs: bool = False  # replay one captured CUDA graph per round (GPU only)
+    sync_rounds: int = 4  # rounds launched between two host reads of the result log (GPU)
 
     def __post_init__(self) -> None:
         _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")
@@ -65,6 +67,16 @@ class RuntimeConfig:
             isinstance(self.max_polls, int) and 1 <= self.max_polls < 2**31,
             "max_polls",
             f"must be an int in [1, 2^31), got {self.max_polls!r}",
+        )
+        _require(
+            isinstance(self.sync_rounds, int) and 1 <= self.sync_rounds <= 64,
+            "sync_rounds",
+            f"must be an int in [1, 64], got {self.sync_rounds!r}",
+        )
+        _require(
+            not self.graphs or torch.device(self.device).type == "cuda",
+            "graphs",
+            f"CUDA graphs need a CUDA device, got device {self.device!r}",
         )
         _require(
             isinstance(self.policy, FixedDepth),

@@ -17,7 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from iquestrt.model import attention_block, each_row, lm_head, padded_positions, rms_rows
+from iquestrt.model import (
+    attention_block,
+    each_row,
+    lm_head,
+    padded_positions,
+    padded_tokens,
+    rms_rows,
+)
 from iquestrt.ops import Live
 from iquestrt.weights import Weights
 from reference import ops as ref_ops
@@ -32,14 +39,23 @@ class DraftModel:
         """tokens [n] at positions start … start+n−1, hprev [n, H] bf16 (target final hidden of
         the previous position, or this draft's previous hidden) → (logits [R, V] FP32,
         hidden [R, H] bf16); rows ≥ n are padding."""
-        d, ops, t = self.w.draft, self.ops, self.t
-        n, rows, dev, eps = tokens.shape[0], self.width, self.w.device, t.rms_norm_eps
+        n, rows, dev = tokens.shape[0], self.width, self.w.device
         if not 1 <= n <= rows:
             raise ValueError(f"DraftModel.forward: {n} rows outside [1, {rows}]")
-        live = Live.of(n, dev)
-        pos = padded_positions(start, n, rows, dev)
+        hp = torch.zeros(rows, hprev.shape[1], dtype=torch.bfloat16, device=dev)
+        hp[:n] = hprev
+        return self.forward_rows(padded_tokens(tokens, rows), hp,
+                                 padded_positions(start, n, rows, dev), Live.of(n, dev), cache)
+
+    def forward_rows(self, tokens: torch.Tensor, hprev: torch.Tensor, pos: torch.Tensor,
+                     live: Live, cache):
+        """The same on padded device buffers: tokens [R] int64, hprev [R, H] bf16, pos [R] int32;
+        live rows possibly known only on the device (capturable: no host reads)."""
+        d, ops, t = self.w.draft, self.ops, self.t
+        rows, dev, eps = self.width, self.w.device, t.rms_norm_eps
+        n = live.torch_rows(rows)
         h_size = t.hidden_size
-        e = d.embed[tokens]  # [n, H]
+        e = d.embed[tokens]  # [R, H]
         eh = torch.empty(rows, 2 * h_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
         each_row(n, eh, lambda r: torch.cat([
             ref_ops.rms_norm(e[r : r + 1], d.enorm, eps),

@@ -1,20 +1,24 @@
 """The decode engine: speculative rounds with the round semantics of reference/speculative.py
 (read its docstring: positions, catch-up rows, settlement), on the runtime model, sampler and
-verifier. This first version is eager with a host loop: the host reads the accepted count each
-round; CUDA graphs, the device loop, adaptive depth and prefetch come later (issue 4).
+verifier.
 
+A request: validate (host, before any device work) → prefill on the host (the target over the
+prompt, the draft over positions 1 … n−1, the first token) → rounds on device-resident state
+(iquestrt/state.py, iquestrt/round.py), launched eagerly or as CUDA-graph replays
+(iquestrt/graphs.py) by a host loop that reads the result log every round when `on_round`
+watches, else every RuntimeConfig.sync_rounds rounds (on the CPU: every round, reads are free).
 One round (m = position of the newest token x_m, not yet in the target cache):
-  1. draft depth 0 over the catch-up rows draft_next … m (token at p, target hidden of p−1),
-     in chunks of ≤ max_width; depths 1 … D−1 one row each. Each depth's last row is sampled
-     (DRAFT_SAMPLE at the next position); its sparse served row is the q row of that draft.
+  1. draft depth 0 over the catch-up rows draft_next … m (token at p, target hidden of p−1);
+     depths 1 … D−1 one row each. Each depth's last row is sampled (DRAFT_SAMPLE at the next
+     position); its sparse served row is the q row of that draft.
   2. target forward over [x_m, y_1 … y_D] at positions m … m+D (writes their K/V);
   3. the sampler serves the D+1 target rows (sparse p rows); verify accepts a drafts and draws
      the replacement or the bonus;
   4. settle: both caches keep positions ≤ m+a (rollback relabels the rest); the hidden states of
-     positions m … m+a are kept for the next depth 0.
-Faults end the request with EngineError naming the round and layer: a tail's readiness flag,
-non-finite logits, a token outside the vocabulary. Bad requests raise ValueError before any
-device work.
+     positions m … m+D are kept for the next depth 0.
+Faults end the request with EngineError naming the round and layer (a round records them in the
+log; the host raises when it reads it): a tail's readiness flag, non-finite logits, a token
+outside the vocabulary. Bad requests raise ValueError before any device work.
 
 Dimension letters: R rows (= max_width), Db = R − 1 draft slots, H hidden, V vocabulary,
 W served width (top_k, 1 when greedy).
@@ -30,8 +34,18 @@ import torch
 from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
 from iquestrt.draft import DraftModel
+from iquestrt.graphs import RoundPrograms
 from iquestrt.model import TargetModel
 from iquestrt.ops import Live, make_ops
+from iquestrt.state import (
+    FAULT_DRAFT_LOGITS,
+    FAULT_READINESS,
+    FAULT_TARGET_LOGITS,
+    FAULT_TOKEN,
+    DeviceState,
+    LogRead,
+    read_log,
+)
 from iquestrt.weights import Weights, load_weights
 from kernels.sampler import MAX_TOP_K
 from reference.depth import DraftInfo
@@ -55,6 +69,7 @@ class Session:
     hidden_at: int = 0
     rounds: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
+    device: DeviceState | None = None
 
 
 def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
@@ -79,6 +94,7 @@ class Engine:
         self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls)
         self.target = TargetModel(weights, self.ops, rcfg.max_width)
         self.draft = DraftModel(weights, self.ops, rcfg.max_width)
+        self.programs = RoundPrograms(rcfg.graphs)
         self.session: Session | None = None
 
     @classmethod
@@ -147,6 +163,9 @@ class Engine:
     def generate(
         self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None
     ) -> GenerationResult:
+        """Prefill on the host, then rounds on device state (iquestrt/round.py), launched
+        eagerly or as graph replays (RuntimeConfig.graphs); the host reads the result log every
+        round when on_round watches, else every RuntimeConfig.sync_rounds rounds."""
         self.validate(req)
         dev, rows = self.w.device, self.rcfg.max_width
         cap = len(req.prompt_ids) + req.max_new_tokens + rows
@@ -155,18 +174,19 @@ class Engine:
                                  device=dev), list(req.prompt_ids))
         self.session = st
         try:
-            first = self._prefill(st)
+            first, hidden = self._prefill(st)
             if self._emit(st, [first]):
                 return st.result
             st.tokens.append(first)
-            while not self._round(st, on_round):
-                pass
+            self._decode(st, hidden, on_round)
             return st.result
         except EngineError:
             self.ops.reset()
             raise
 
-    def _prefill(self, st: Session) -> int:
+    def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
+        """Target over the prompt, the draft over positions 1 … n−1 (each chunk of max_width
+        rows), the first token → (token, target hidden of the prompt [n, H])."""
         n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
         hidden = []
         for c in range(0, n, rows):
@@ -175,86 +195,109 @@ class Engine:
             self._check("prefill", st, logits, chunk.shape[0], True)
             hidden.append(h[: chunk.shape[0]].clone())
         st.caches.settle_target(self.ops, n, n)
-        st.hidden, st.hidden_at = torch.cat(hidden), 0
+        hidden = torch.cat(hidden)
         last = chunk.shape[0] - 1
         s = self.ops.sample(logits[last : last + 1], st.req.sampling, st.req.seed,
                             torch.tensor([n], device=dev), Purpose.TARGET_SAMPLE, Live.of(1, dev))
-        return self._token("prefill", s.tokens[0])
+        tok = self._token("prefill", s.tokens[0])
+        if self.rcfg.policy.max_depth > 0:
+            c = st.caches
+            for s0 in range(c.draft_next, n, rows):  # row p: token at p, target hidden of p − 1
+                e = min(s0 + rows, n)
+                toks = torch.tensor(st.tokens[s0:e], device=dev)
+                lg, _ = self.draft.forward(toks, hidden[s0 - 1 : e - 1], s0, c.draft)
+                c.draft_next = e
+                self._check("prefill", st, lg, e - s0, False)
+        return tok, hidden
 
-    def _round(self, st: Session, on_round) -> bool:
-        """One speculative round; True when the request is finished."""
-        req, ops, dev, rows = st.req, self.ops, self.w.device, self.rcfg.max_width
-        where = f"round {st.rounds}"
-        m = len(st.tokens) - 1
-        drafts, q_ids, q_probs, d_buf = self._draft(st, m, where)
-        d = len(drafts)
-        toks = torch.tensor([st.tokens[m]] + [x.token for x in drafts], device=dev)
-        logits, hidden = self.target.forward(toks, m, st.caches, st.flags)  # positions m … m+D
-        self._check(where, st, logits, d + 1, True)
-        pos = torch.arange(m + 1, m + 1 + rows, device=dev)  # [R] position each row predicts
-        p = ops.sample(logits, req.sampling, req.seed, pos, Purpose.TARGET_SAMPLE,
-                       Live.of(d + 1, dev))
-        v = ops.verify(p, q_ids, q_probs, d_buf, req.seed, m + 1, Live.of(d, dev))
-        a, bonus = int(v.n_accepted[0]), bool(v.bonus[0])
-        emitted = [x.token for x in drafts[:a]] + [self._token(where, v.next_token[0])]
-        st.caches.settle_target(ops, m + a + 1, m + d + 1)
-        st.caches.settle_draft(ops, m + a + 1)
-        st.hidden, st.hidden_at = hidden[: a + 1].clone(), m
+    def _decode(self, st: Session, hidden: torch.Tensor, on_round) -> None:
+        program = self._prepare(st, hidden)
+        self._loop(st, program, on_round)
+
+    def _prepare(self, st: Session, hidden: torch.Tensor):
+        """Device state from the prefill, and the round program (captured when graphs are on):
+        outside the decode clock, like prefill."""
+        req, rows, dev = st.req, self.rcfg.max_width, self.w.device
+        width = 1 if req.sampling.temperature == 0 else req.sampling.top_k
+        ds = DeviceState.create(
+            positions=len(st.tokens) + req.max_new_tokens + rows, rows=rows,
+            hidden=self.cfg.target.hidden_size, width=width, max_rounds=req.max_new_tokens,
+            stop_ids=req.stop_ids, max_new=req.max_new_tokens, device=dev)
+        ds.start(st.tokens, hidden[-1], st.caches.draft_next)
+        st.device = ds
+        return self.programs.get(self, ds, req, self.rcfg.policy.max_depth)
+
+    def _loop(self, st: Session, program, on_round) -> None:
+        """The decode clock: launch rounds, read the log, stop at the request's end."""
+        ds = st.device
+        every = 1 if on_round is not None or ds.tokens.device.type == "cpu" else (
+            self.rcfg.sync_rounds)
+        read = 0
+        while True:
+            for _ in range(every):
+                program()
+            log = read_log(ds, read, st.flags)
+            for i in range(log.head.shape[0]):
+                if self._take(st, log, i, on_round):
+                    self._finish(st)
+                    return
+            read += log.head.shape[0]
+            if log.fault[0]:
+                raise EngineError(self._fault_message(log))
+            if log.done:
+                raise EngineError("the device marked the request done but the host's budget and "
+                                  "stop tokens did not end it (a bug: log and emit disagree)")
+
+    def _take(self, st: Session, log: LogRead, i: int, on_round) -> bool:
+        """Round i of a log read → RoundRecord (host copies of the caches' lengths updated);
+        True when the request is finished."""
+        m, a, bonus, d, n_em = (int(x) for x in log.head[i])
+        if log.fault[0] and log.fault[1] == log.first + i:
+            raise EngineError(self._fault_message(log))
+        drafts = []
+        for j in range(d):
+            ids, probs, y = log.q_ids[i, j], log.q_probs[i, j], int(log.drafts[i, j])
+            prob = float(probs[ids == y].sum())  # q(y): y appears once
+            drafts.append(DraftInfo(y, prob, _entropy(ids, probs)))
+        emitted = [int(t) for t in log.emitted[i, :n_em]]
+        c = st.caches
+        c.target_len = m + a + 1
+        if d > 0:
+            c.draft_next = min(m + a + 1, m + d)
         st.rounds += 1
-        rec = RoundRecord(m, drafts, a, emitted, bonus)
+        rec = RoundRecord(m, drafts, a, emitted, bonus == 1)
         before = len(st.result.tokens)
         done = self._emit(st, emitted)
         rec.emitted = emitted[: len(st.result.tokens) - before]
         st.result.rounds.append(rec)
         if on_round is not None:
             on_round(rec)
-        if done:  # budget/stop-trimmed tokens must not stay cached either
-            last = len(req.prompt_ids) + len(st.result.tokens) - 1
-            c = st.caches
-            c.settle_target(ops, min(c.target_len, last), c.target_len)
-            c.settle_draft(ops, last)
-            return True
-        st.tokens.extend(emitted)
-        return False
+        if not done:
+            st.tokens.extend(emitted)
+        return done
 
-    def _draft(self, st: Session, m: int, where: str):
-        """Recursive drafting → (DraftInfo list, q ids [Db, W], q probs [Db, W], drafts [Db])."""
-        req, ops, dev, rows = st.req, self.ops, self.w.device, self.rcfg.max_width
-        policy, c = self.rcfg.policy, st.caches
-        width = 1 if req.sampling.temperature == 0 else req.sampling.top_k
-        q_ids = torch.full((rows - 1, width), -1, dtype=torch.int64, device=dev)
-        q_probs = torch.zeros(rows - 1, width, dtype=torch.float32, device=dev)
-        d_buf = torch.zeros(rows - 1, dtype=torch.int64, device=dev)
-        drafts: list[DraftInfo] = []
-        if not policy.more(drafts):
-            return drafts, q_ids, q_probs, d_buf
-        # catch-up rows draft_next … m read the target hidden states of positions one earlier
-        if not st.hidden_at < c.draft_next <= m <= st.hidden_at + st.hidden.shape[0]:
-            raise EngineError(f"{where}: draft rows from {c.draft_next} need target hidden states "
-                              f"of positions {st.hidden_at} … {st.hidden_at + len(st.hidden) - 1}")
-        for s in range(c.draft_next, m + 1, rows):  # depth 0: catch-up rows, then x_m
-            e = min(s + rows, m + 1)
-            h = st.hidden[s - 1 - st.hidden_at : e - 1 - st.hidden_at]  # hidden of p − 1
-            toks = torch.tensor(st.tokens[s:e], device=dev)
-            logits, hid = self.draft.forward(toks, h, s, c.draft)
-            c.draft_next = e
-            self._check(f"{where} draft depth 0", st, logits, e - s, False)
-        last = e - s - 1
-        while True:
-            j, nxt = len(drafts), c.draft_next  # the position this depth's last row predicts
-            out = ops.sample(logits[last : last + 1], req.sampling, req.seed,
-                             torch.tensor([nxt], device=dev), Purpose.DRAFT_SAMPLE,
-                             Live.of(1, dev))
-            y = self._token(f"{where} draft depth {j}", out.tokens[0])
-            q_ids[j], q_probs[j], d_buf[j] = out.ids[0], out.probs[0], y
-            prob = float(out.probs[0][out.ids[0] == y].sum())  # q(y): y appears once
-            drafts.append(DraftInfo(y, prob, _entropy(out.ids[0], out.probs[0])))
-            if not policy.more(drafts) or len(drafts) >= policy.max_depth:
-                return drafts, q_ids, q_probs, d_buf
-            logits, hid = self.draft.forward(torch.tensor([y], device=dev),
-                                             hid[last : last + 1], nxt, c.draft)
-            c.draft_next, last = nxt + 1, 0
-            self._check(f"{where} draft depth {j + 1}", st, logits, 1, False)
+    def _finish(self, st: Session) -> None:
+        """Budget/stop-trimmed tokens must not stay cached either (eager, after the loop)."""
+        req, c, ops = st.req, st.caches, self.ops
+        last = len(req.prompt_ids) + len(st.result.tokens) - 1
+        c.settle_target(ops, min(c.target_len, last), c.target_len)
+        c.settle_draft(ops, last)
+
+    def _fault_message(self, log: LogRead) -> str:
+        code, rnd, where, value = log.fault
+        v = self.cfg.target.vocab_size
+        if code == FAULT_READINESS:
+            return (f"round {rnd}: readiness failure flag raised by target layer {where} (a "
+                    "partial sum held NaN: an unwritten or non-finite input)")
+        if code == FAULT_TARGET_LOGITS:
+            return f"round {rnd}: non-finite logits from the final norm or lm_head (no layer " \
+                   "raised its flag)"
+        if code == FAULT_DRAFT_LOGITS:
+            return f"round {rnd} draft depth {where}: non-finite logits from the draft layer"
+        if code == FAULT_TOKEN:
+            at = f" draft depth {where}" if where >= 0 else ""
+            return f"round {rnd}{at}: token {value} outside [0, {v})"
+        return f"round {rnd}: unknown fault code {code}"
 
     @staticmethod
     def _emit(st: Session, emitted: list[int]) -> bool:

@@ -30,7 +30,8 @@ from reference import ops as ref_ops
 
 
 def each_row(n: int, out: torch.Tensor, fn) -> torch.Tensor:
-    """out[r] = fn(r) [1, …] for the live rows: torch parts without a kernel, one row at a time."""
+    """out[r] = fn(r) [1, …] for rows r < n: torch parts without a kernel, one row at a time
+    (a row's bits then never depend on its batch-mates; see iquestrt/ops.py)."""
     for r in range(n):
         out[r : r + 1] = fn(r)
     return out
@@ -45,6 +46,13 @@ def padded_positions(start: int, n: int, rows: int, device) -> torch.Tensor:
     pos = torch.full((rows,), -1, dtype=torch.int32, device=device)  # [R]; padding −1
     pos[:n] = torch.arange(start, start + n, dtype=torch.int32, device=device)
     return pos
+
+
+def padded_tokens(tokens: torch.Tensor, rows: int) -> torch.Tensor:
+    """[n] → [R] int64; padding rows hold token 0 (a valid id: gathers stay in bounds)."""
+    out = torch.zeros(rows, dtype=torch.int64, device=tokens.device)
+    out[: tokens.shape[0]] = tokens
+    return out
 
 
 def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table):
@@ -72,14 +80,21 @@ class TargetModel:
     def forward(self, tokens: torch.Tensor, start: int, caches, flags: torch.Tensor):
         """tokens [n] at positions start … start+n−1 (n ≤ width) → (logits [R, V] FP32,
         hidden [R, H] bf16 after the final norm); rows ≥ n are padding."""
-        w, ops, t = self.w, self.ops, self.t
-        n, rows, dev, eps = tokens.shape[0], self.width, self.w.device, self.t.rms_norm_eps
+        n, rows, dev = tokens.shape[0], self.width, self.w.device
         if not 1 <= n <= rows:
             raise ValueError(f"TargetModel.forward: {n} rows outside [1, {rows}]")
-        live = Live.of(n, dev)
-        pos = padded_positions(start, n, rows, dev)
-        x = torch.empty(rows, t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, H]
-        x[:n] = w.embed[tokens]
+        return self.forward_rows(padded_tokens(tokens, rows), padded_positions(start, n, rows, dev),
+                                 Live.of(n, dev), caches, flags)
+
+    def forward_rows(self, tokens: torch.Tensor, pos: torch.Tensor, live: Live, caches,
+                     flags: torch.Tensor):
+        """The same on padded device buffers: tokens [R] int64, pos [R] int32 (consecutive for
+        the live rows), live rows possibly known only on the device (a device-resident round:
+        no host reads, so it can be captured in a CUDA graph)."""
+        w, ops, t = self.w, self.ops, self.t
+        rows, eps = self.width, self.t.rms_norm_eps
+        n = live.torch_rows(rows)
+        x = w.embed[tokens]  # [R, H] bf16 (padding rows embed token 0; never read)
         xn = rms_rows(x, w.layers[0].attn.attention_norm, n, eps)
         last = len(w.layers) - 1
         for layer in w.layers:
@@ -104,7 +119,7 @@ class TargetModel:
     def _dense(self, dw: DenseWeights, h, f_in, live: Live) -> torch.Tensor:
         """Layer 0's SwiGLU + ffn_out_norm + raw residual → x [R, H] bf16 (reference.ops.swiglu
         with FP8 projections: gate, up, down rounded to bf16, SiLU·up rounded to bf16)."""
-        ops, n, eps = self.ops, live.n, self.t.rms_norm_eps
+        ops, n, eps = self.ops, live.torch_rows(h.shape[0]), self.t.rms_norm_eps
         g = ops.linear_fp8(f_in, dw.gate, live, torch.bfloat16)  # [R, F]
         u = ops.linear_fp8(f_in, dw.up, live, torch.bfloat16)
         act = each_row(n, torch.empty_like(g), lambda r: (

@@ -47,12 +47,33 @@ NAN = float("nan")
 
 @dataclass(frozen=True)
 class Live:
-    n: int  # live rows, host copy
+    known: int | None  # live rows when the host knows them; None inside a device-resident round
     t: torch.Tensor  # [1] int32 on the device
 
     @classmethod
     def of(cls, n: int, device) -> Live:
         return cls(n, torch.tensor([n], dtype=torch.int32, device=device))
+
+    @classmethod
+    def on_device(cls, t: torch.Tensor) -> Live:
+        return cls(None, t)
+
+    @property
+    def n(self) -> int:
+        """The host count; reads the device copy when unknown (a sync: twins and CPU only)."""
+        if self.known is not None:
+            return self.known
+        if self.t.device.type != "cpu":
+            raise RuntimeError("Live.n: the live-row count is device-resident here (no host "
+                               "reads inside a device round on the GPU)")
+        return int(self.t[0])
+
+    def torch_rows(self, rows: int) -> int:
+        """Rows the torch parts compute: the live ones when the host can know them cheaply,
+        else all `rows` of the buffer (padding rows compute on padding, and are never read)."""
+        if self.known is not None:
+            return self.known
+        return int(self.t[0]) if self.t.device.type == "cpu" else rows
 
 
 def _rows(n: int, fn) -> torch.Tensor:
@@ -101,7 +122,8 @@ class TwinOps:
     def write_kv(self, cache, k, v, positions, live: Live) -> None:
         kv_layout.write_ref(cache, k, v, positions, live.n)
 
-    def rollback(self, cache, keep: int, written: int) -> None:
+    def rollback(self, cache, keep, written) -> None:
+        keep, written = int(keep), int(written)  # device scalars on the CPU: free reads
         if not 0 <= written - keep <= ROLLBACK_ROWS:
             raise ValueError(f"rollback: {written} − {keep} positions outside "
                              f"[0, {ROLLBACK_ROWS}]")
@@ -144,8 +166,9 @@ class TwinOps:
         return SampleOut(_padded(tok, rows, self.dev, -1), _padded(ids, rows, self.dev, -1),
                          _padded(probs, rows, self.dev, 0.0))
 
-    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first: int,
+    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
                n_drafts: Live) -> VerifyOut:
+        first = int(first) if not isinstance(first, torch.Tensor) else int(first.reshape(-1)[0])
         a, tok, bonus, emitted = sampling_twins.verify_ref(
             p.ids, p.probs, q_ids, q_probs, drafts, seed, first, n_drafts=n_drafts.n)
         em = torch.full((drafts.shape[0] + 1,), -1, dtype=torch.int64, device=self.dev)
@@ -190,7 +213,8 @@ class KernelOps:
     def write_kv(self, cache, k, v, positions, live: Live) -> None:
         k_kv.write_kv(cache, k, v, positions, live.t)
 
-    def rollback(self, cache, keep: int, written: int) -> None:
+    def rollback(self, cache, keep, written) -> None:
+        """keep/written: host ints, or device [1] scalars (a device-resident round)."""
         k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS)
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
@@ -219,7 +243,7 @@ class KernelOps:
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)
 
-    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first: int,
+    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
                n_drafts: Live) -> VerifyOut:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
                                n_drafts=n_drafts.t)

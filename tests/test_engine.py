@@ -322,9 +322,11 @@ def test_non_finite_logits(corr):
         eng.generate(_bad())
     eng = _engine(_fresh(corr))
     eng.w.draft.lm_head[7, 3] = float("inf")
+    with pytest.raises(EngineError, match="prefill: non-finite logits from the draft layer"):
+        eng.generate(_bad())  # the draft's prefill over the prompt meets it first
     with pytest.raises(EngineError, match="round 0 draft depth 0: non-finite logits from the "
                                           "draft layer"):
-        eng.generate(_bad())
+        eng.generate(_bad(prompt_ids=(5,)))  # no draft prefill: round 0's depth 0 does
 
 
 def test_out_of_range_token(corr, monkeypatch):

@@ -1,0 +1,125 @@
+"""Benchmark of the decode engine's rounds (GPU): per fixed depth D (verification width D + 1),
+eager launches vs CUDA-graph replay, on a checkpoint (default: a tiny-preset checkpoint with a
+correlated draft, built in a temporary directory). Per configuration it reports rounds, tokens
+per round, time per round and per output token, and launches per round (CUDA kernels and
+memcpy/memset of one eager round under torch.profiler, run on the finished request's state:
+0 live rows launch the same kernels).
+
+Timing: the request's decode loop only (prefill, loading and capture excluded): CUDA events
+around `Engine._decode`, median of --reps requests, configurations interleaved per repetition.
+
+    python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--tokens 128] [--reps 3] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from iquestrt.config import RuntimeConfig
+from iquestrt.engine import Engine
+from iquestrt.round import RoundProgram
+from iquestrt.weights import from_checkpoint
+from reference.checkpoint import load_checkpoint
+from reference.depth import FixedDepth
+from reference.speculative import GenerationRequest
+from tests.test_engine_setup import SAMPLING, make_ckpt
+
+PROMPT = tuple(range(5, 69))
+
+
+def timed_request(eng: Engine, req: GenerationRequest) -> tuple[float, object]:
+    """Wall time of the decode loop (prefill, state setup and capture excluded)."""
+    inner, box = eng._loop, {}
+
+    def loop(st, program, on_round):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        inner(st, program, on_round)
+        torch.cuda.synchronize()
+        box["t"] = time.perf_counter() - t0
+
+    eng._loop = loop
+    try:
+        res = eng.generate(req)
+    finally:
+        eng._loop = inner
+    return box["t"], res
+
+
+def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    st = eng.session.device
+    st.done.fill_(1)
+    program = RoundProgram(eng, st, req, eng.rcfg.policy.max_depth)
+    program()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        program()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--depths", type=int, nargs="+", default=[3, 4, 5, 6, 7])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_round: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp())
+    ck = load_checkpoint(make_ckpt(tmp / "corr", "correlated"))
+    req = GenerationRequest(PROMPT, args.tokens, SAMPLING, 1)
+    engines = {}
+    for d in args.depths:
+        for graphs in (False, True):
+            rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
+                               policy=FixedDepth(d), graphs=graphs, sync_rounds=8)
+            engines[d, graphs] = Engine(from_checkpoint(ck, "cuda", 512), rc)
+            engines[d, graphs].generate(req)  # JIT-compile everything first
+    times = {k: [] for k in engines}
+    results = {}
+    for rep in range(args.reps):
+        for k, eng in engines.items():
+            t, res = timed_request(eng, req)
+            times[k].append(t)
+            results[k] = res
+        print(f"rep {rep + 1}/{args.reps} done", flush=True)
+    rows = []
+    for (d, graphs), ts in times.items():
+        res = results[d, graphs]
+        t = statistics.median(ts)
+        n_r, n_tok = len(res.rounds), len(res.tokens) - 1
+        launches = launches_per_round(engines[d, graphs], req)
+        rows.append(dict(depth=d, width=d + 1, graphs=graphs, rounds=n_r, launches=launches,
+                         tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,
+                         token_us=t / n_tok * 1e6, raw_s=ts))
+    print(f"{'D':>2} {'W':>2} {'mode':>6} {'rounds':>6} {'tok/rnd':>7} {'us/round':>9} "
+          f"{'us/token':>9} {'launches':>8}")
+    for r in rows:
+        print(f"{r['depth']:2d} {r['width']:2d} {'graph' if r['graphs'] else 'eager':>6} "
+              f"{r['rounds']:6d} {r['tokens_per_round']:7.2f} {r['round_us']:9.1f} "
+              f"{r['token_us']:9.1f} {r['launches']:8d}")
+    for d in args.depths:
+        e = next(r for r in rows if r["depth"] == d and not r["graphs"])
+        g = next(r for r in rows if r["depth"] == d and r["graphs"])
+        print(f"depth {d}: graph/eager round time ratio {g['round_us'] / e['round_us']:.3f}")
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
+    if args.json:
+        args.json.write_text(json.dumps(dict(env=env, rows=rows), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,159 @@
+"""One speculative round as a straight-line program over device state (iquestrt/state.py): no
+host reads, fixed shapes, so the same code runs eagerly or captured in a CUDA graph (one graph
+per draft depth, i.e. per verification width; iquestrt/graphs.py). Round semantics are those of
+reference/speculative.py; the host-int engine they replace is described in iquestrt/engine.py.
+
+Every live-row count is a device scalar multiplied by go = 1 − done, so a round launched after
+the request finished (or failed) runs each kernel with 0 live rows and every state update below
+is a `where(go, new, old)`: it commits nothing.
+
+  depth 0   catch-up rows draft_next … m (c = m − draft_next + 1: 1 row, or 2 after a round that
+            accepted every draft), token at p with the target hidden of p − 1 (hidden_at …)
+  depth j   one row at position draft_next, token y_j with the previous depth's hidden
+  target    [x_m, y_1 … y_D] at positions m … m+D; sample; verify (a accepted)
+  settle    target caches keep positions < m+a+1 (written through m+D); the draft ring keeps
+            < min(m+a+1, its next position); hidden ← the target's rows m … m+D; m ← m+a+1
+
+Dimension letters: R rows, Db draft slots, W served width, V vocabulary, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iquestrt.ops import Live
+from iquestrt.state import (
+    FAULT_DRAFT_LOGITS,
+    FAULT_READINESS,
+    FAULT_TARGET_LOGITS,
+    FAULT_TOKEN,
+    DeviceState,
+)
+from reference.rng import Purpose
+from reference.speculative import GenerationRequest
+
+
+def _finite_rows(logits: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+    """[1] bool: some live row of logits [R, V] holds NaN/inf."""
+    bad = (~torch.isfinite(logits)).any(dim=1) & (ar < n)
+    return bad.any().reshape(1)
+
+
+def _positions(start: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
+    return torch.where(ar < n, start + ar, -1).to(torch.int32)  # [R]; padding −1
+
+
+class RoundProgram:
+    """Callable: one round of fixed draft depth on `st` (see the module docstring)."""
+
+    def __init__(self, engine, st: DeviceState, req: GenerationRequest, depth: int):
+        self.e, self.st, self.req, self.depth = engine, st, req, depth
+        rows, dev = st.rows, st.tokens.device
+        width = st.q_ids.shape[2]
+        self.q_ids = torch.full((rows - 1, width), -1, dtype=torch.int64, device=dev)
+        self.q_probs = torch.zeros(rows - 1, width, dtype=torch.float32, device=dev)
+        self.d_buf = torch.zeros(rows - 1, dtype=torch.int64, device=dev)  # [Db] drafts
+
+    def __call__(self) -> None:
+        st, e, ops, req = self.st, self.e, self.e.ops, self.req
+        R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
+        caches = e.session.caches
+        go = 1 - st.done  # [1] int32
+        m = st.m
+        self.d_buf.zero_()
+        c = (m - st.draft_next + 1) * go  # catch-up rows of depth 0
+        nxt = st.draft_next.clone()  # the next draft position to write
+        if self.depth > 0:
+            src = (nxt + ar).clamp(max=st.dump_slot).long()
+            hrow = (nxt - 1 - st.hidden_at + ar).clamp(0, R - 1).long()
+            logits, hid = e.draft.forward_rows(st.tokens[src], st.hidden[hrow],
+                                               _positions(nxt, c, ar), Live.on_device(c),
+                                               caches.draft)
+            st.record_fault(_finite_rows(logits, c, ar), FAULT_DRAFT_LOGITS, 0, 0)
+            if self._host_stop():
+                return
+            last = (c - 1).clamp(min=0).long()
+            nxt = nxt + c
+        for j in range(self.depth):
+            one = go.clone()
+            row = logits.index_select(0, last)  # [1, V]: the depth's last row
+            out = ops.sample(row, req.sampling, req.seed, nxt.long(), Purpose.DRAFT_SAMPLE,
+                             Live.on_device(one))
+            y = torch.where(one > 0, out.tokens[:1], 0)  # [1]
+            st.record_fault((one > 0) & ((y < 0) | (y >= vocab)), FAULT_TOKEN, j, y)
+            y = y.clamp(0, vocab - 1)
+            self.q_ids[j], self.q_probs[j], self.d_buf[j] = out.ids[0], out.probs[0], y[0]
+            if j == self.depth - 1:
+                break
+            toks = torch.zeros(R, dtype=torch.int64, device=y.device)
+            toks[:1] = y
+            hp = torch.zeros_like(hid)
+            hp[:1] = hid.index_select(0, last)
+            logits, hid = e.draft.forward_rows(toks, hp, _positions(nxt, one, ar),
+                                               Live.on_device(one), caches.draft)
+            st.record_fault(_finite_rows(logits, one, ar), FAULT_DRAFT_LOGITS, j + 1, 0)
+            if self._host_stop():
+                return
+            last = torch.zeros_like(last)
+            nxt = nxt + one
+        # target verification rows [x_m, y_1 … y_D]
+        n_t = (self.depth + 1) * go
+        toks = torch.cat([st.tokens[m.long()], self.d_buf])[:R]
+        logits, hidden = e.target.forward_rows(toks, _positions(m, n_t, ar), Live.on_device(n_t),
+                                               caches, e.session.flags)
+        flagged = e.session.flags != 0
+        st.record_fault(flagged.any().reshape(1) & (go > 0), FAULT_READINESS,
+                        torch.argmax(flagged.int()), 0)
+        st.record_fault(_finite_rows(logits, n_t, ar), FAULT_TARGET_LOGITS, 0, 0)
+        if self._host_stop():
+            return
+        p = ops.sample(logits, req.sampling, req.seed, (m + 1 + ar).long(),
+                       Purpose.TARGET_SAMPLE, Live.on_device(n_t))
+        n_d = (n_t - 1).clamp(min=0)
+        v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, req.seed, (m + 1).long(),
+                       Live.on_device(n_d.to(torch.int32)))
+        a = (v.n_accepted * go).to(torch.int32)  # [1]
+        nxt_tok = v.next_token[:1]
+        st.record_fault((go > 0) & ((nxt_tok < 0) | (nxt_tok >= vocab)), FAULT_TOKEN, -1,
+                        nxt_tok)
+        self._settle(go, m, a, n_t, nxt, hidden, v.emitted, v.bonus, n_d)
+
+    def _host_stop(self) -> bool:
+        """On the CPU (twins, interpreter) a recorded fault ends the round at once: the twins'
+        sampler refuses non-finite logits. Free to read there; never read on a GPU."""
+        st = self.st
+        return st.tokens.device.type == "cpu" and bool(st.fault[0] != 0)
+
+    def _settle(self, go, m, a, n_t, nxt, hidden, emitted, bonus, n_d) -> None:
+        st, ops, caches = self.st, self.e.ops, self.e.session.caches
+        live = go > 0
+        n_em = (a + 1) * go  # tokens this round emits
+        keep = m + n_em  # = m + a + 1, or m when nothing ran
+        written = m + n_t
+        for layer in caches.target:
+            ops.rollback(layer, keep, written)
+        keep_d = torch.minimum(keep, nxt)
+        ops.rollback(caches.draft, keep_d, nxt)
+        st.draft_next.copy_(torch.where(live, keep_d, st.draft_next))
+        st.hidden.copy_(torch.where(live, hidden, st.hidden))
+        st.hidden_at.copy_(torch.where(live, m, st.hidden_at))
+        em_live = st.ar < n_em  # [R] emitted slots of this round
+        em = torch.where(em_live, emitted[: st.rows], -1)
+        slot = torch.where(em_live, m + 1 + st.ar, st.dump_slot).long()
+        st.tokens.index_put_((slot,), em)
+        hit_stop = ((em[:, None] == st.stop[None, :]).any(dim=1) & em_live).any().reshape(1)
+        n_new = st.n_new + n_em
+        faulted = st.fault[:1] != 0
+        finished = live & (hit_stop | (n_new >= st.max_new) | faulted)
+        row = torch.where(live, st.round, st.dump_row).long()
+        head = torch.stack([m[0], a[0], bonus[0].to(torch.int32), n_d[0].to(torch.int32),
+                            n_em[0]])[None]
+        st.head.index_copy_(0, row, head.to(torch.int32))
+        st.emitted.index_copy_(0, row, em[None])
+        st.drafts.index_copy_(0, row, self.d_buf[None])
+        st.q_ids.index_copy_(0, row, self.q_ids[None])
+        st.q_probs.index_copy_(0, row, self.q_probs[None])
+        st.m.copy_(m + n_em)
+        st.n_new.copy_(n_new)
+        st.round.copy_(st.round + go)
+        st.done.copy_(torch.where(finished | faulted, 1, st.done).to(torch.int32))

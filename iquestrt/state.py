@@ -1,0 +1,142 @@
+"""Device-resident request state and the result log (issue 4, "device-resident state").
+
+Everything a round reads or writes lives here as device tensors, so a round is a straight-line
+program with no host reads (iquestrt/round.py) and can be captured in a CUDA graph. The host
+writes the state once after prefill and afterwards only reads the log — after every round when
+a caller watches rounds, else every `RuntimeConfig.sync_rounds` rounds — and raises the fault a
+round recorded.
+
+Positions (int32 [1] scalars):
+  m           the newest token x_m; tokens[0 … m] are prompt + emitted, x_m is in no target cache
+  draft_next  the next draft position to write; draft rows draft_next … m are the next depth 0's
+              catch-up rows (1 or 2 of them after prefill)
+  hidden_at   hidden[i] is the target's final hidden state of position hidden_at + i
+A finished (or failed) request has done = 1: a round launched after that (the host reads the log
+only every few rounds) runs every kernel with 0 live rows and commits nothing.
+
+Log row r (rounds in order; row L is a dump row for rounds that commit nothing):
+  head[r] = (m, accepted a, bonus, drafts run, emitted count)
+  emitted[r, :a+1] = accepted drafts + replacement or bonus, −1 after
+  drafts[r, :D] = the drafts y_1 … y_D
+  q_ids/q_probs[r, j] = the draft's served row at depth j (its sample is q_ids' draw)
+fault = (code, round, where, value): 0 none, 1 readiness flag (where = layer), 2 non-finite
+target logits, 3 non-finite draft logits (where = depth), 4 token out of range (where = depth,
+−1 for the target; value = the token).
+
+Dimension letters: R rows, Db = R − 1 draft slots, W served width, L log rows, H hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FAULT_NONE, FAULT_READINESS, FAULT_TARGET_LOGITS, FAULT_DRAFT_LOGITS, FAULT_TOKEN = range(5)
+HEAD = ("m", "accepted", "bonus", "drafts", "emitted")
+
+
+@dataclass
+class DeviceState:
+    tokens: torch.Tensor  # [P + 1] int64: tokens by position; slot P is a dump slot
+    stop: torch.Tensor  # [S] int64 stop ids (−2 pads: never a token)
+    m: torch.Tensor  # [1] int32
+    draft_next: torch.Tensor  # [1] int32
+    hidden: torch.Tensor  # [R, H] bf16
+    hidden_at: torch.Tensor  # [1] int32
+    n_new: torch.Tensor  # [1] int32 tokens emitted so far (the prefill's first included)
+    max_new: int
+    done: torch.Tensor  # [1] int32
+    round: torch.Tensor  # [1] int32 rounds committed
+    fault: torch.Tensor  # [4] int64
+    head: torch.Tensor  # [L + 1, 5] int32
+    emitted: torch.Tensor  # [L + 1, R] int64
+    drafts: torch.Tensor  # [L + 1, Db] int64 the drafts y_1 … y_D
+    q_ids: torch.Tensor  # [L + 1, Db, W] int64
+    q_probs: torch.Tensor  # [L + 1, Db, W] fp32
+    ar: torch.Tensor  # [R] int32 0 … R−1 (a constant)
+
+    @classmethod
+    def create(cls, *, positions: int, rows: int, hidden: int, width: int, max_rounds: int,
+               stop_ids: tuple[int, ...], max_new: int, device) -> DeviceState:
+        i32 = dict(dtype=torch.int32, device=device)
+        stop = torch.tensor(list(stop_ids) or [-2], dtype=torch.int64, device=device)
+        L = max_rounds
+        return cls(
+            tokens=torch.zeros(positions + 1, dtype=torch.int64, device=device),
+            stop=stop, m=torch.zeros(1, **i32), draft_next=torch.zeros(1, **i32),
+            hidden=torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device),
+            hidden_at=torch.zeros(1, **i32), n_new=torch.zeros(1, **i32), max_new=max_new,
+            done=torch.zeros(1, **i32), round=torch.zeros(1, **i32),
+            fault=torch.zeros(4, dtype=torch.int64, device=device),
+            head=torch.zeros(L + 1, len(HEAD), **i32),
+            emitted=torch.full((L + 1, rows), -1, dtype=torch.int64, device=device),
+            drafts=torch.zeros(L + 1, rows - 1, dtype=torch.int64, device=device),
+            q_ids=torch.full((L + 1, rows - 1, width), -1, dtype=torch.int64, device=device),
+            q_probs=torch.zeros(L + 1, rows - 1, width, dtype=torch.float32, device=device),
+            ar=torch.arange(rows, **i32),
+        )
+
+    @property
+    def rows(self) -> int:
+        return self.ar.shape[0]
+
+    @property
+    def dump_row(self) -> int:
+        return self.head.shape[0] - 1
+
+    @property
+    def dump_slot(self) -> int:
+        return self.tokens.shape[0] - 1
+
+    def start(self, tokens: list[int], hidden_last: torch.Tensor, draft_next: int) -> None:
+        """After prefill: tokens = prompt + the first sampled token (position m = len − 1);
+        hidden_last [H] = the target's final hidden state of position m − 1."""
+        n = len(tokens)
+        self.tokens[:n] = torch.tensor(tokens, dtype=torch.int64)
+        self.m.fill_(n - 1)
+        self.draft_next.fill_(draft_next)
+        self.hidden[0] = hidden_last
+        self.hidden_at.fill_(n - 2)
+        self.n_new.fill_(1)
+
+    def record_fault(self, cond: torch.Tensor, code: int, where, value) -> None:
+        """Record (code, round, where, value) when cond [1] bool holds and no fault came first.
+        where/value: ints or [1] device tensors."""
+        new = torch.stack([torch.full((), code, dtype=torch.int64, device=cond.device),
+                           self.round[0].long(), _scalar(where, cond.device),
+                           _scalar(value, cond.device)])
+        first = cond & (self.fault[0] == FAULT_NONE)
+        self.fault.copy_(torch.where(first, new, self.fault))
+
+
+def _scalar(x, device) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x.reshape(()).long()
+    return torch.full((), int(x), dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class LogRead:
+    """The host's copy of log rows first … last−1 and the request's flags."""
+
+    first: int
+    head: torch.Tensor  # [n, 5] int32
+    emitted: torch.Tensor  # [n, R]
+    drafts: torch.Tensor  # [n, Db]
+    q_ids: torch.Tensor  # [n, Db, W]
+    q_probs: torch.Tensor  # [n, Db, W]
+    fault: tuple[int, int, int, int]
+    done: bool
+    flags: torch.Tensor  # [layers] int32
+
+
+def read_log(st: DeviceState, first: int, flags: torch.Tensor) -> LogRead:
+    """Copy the rounds committed since `first` (one synchronizing read of the round count, then
+    the rows): the only device→host traffic of a request between prefill and the end."""
+    last = int(st.round[0])
+    sl = slice(first, last)
+    return LogRead(first, st.head[sl].cpu(), st.emitted[sl].cpu(), st.drafts[sl].cpu(),
+                   st.q_ids[sl].cpu(),
+                   st.q_probs[sl].cpu(), tuple(int(x) for x in st.fault.cpu()),
+                   bool(st.done[0]), flags.cpu())
