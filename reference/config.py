@@ -367,7 +367,34 @@ def preset(name: str) -> ModelConfig:
                 sliding_window=8, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64
             ),
         )
+    if name == "mini":
+        # The trainable preset (training/): vocab 8192 (the shipped tokenizer), every matrix dim a
+        # multiple of 128 (whole 128x128 FP8 blocks). Sized so the E4M3 checkpoint fits 20 MB
+        # with its tokenizer: three [V, H] BF16 tables (both embeddings, draft lm_head) plus an
+        # E4M3 target lm_head cost 7·V·H bytes, hence H = 128 (training/README.md has the sums).
+        return ModelConfig(
+            name="mini",
+            target=TargetConfig(
+                vocab_size=8192,
+                hidden_size=128,
+                layer_types=layer_pattern(1),  # F F S S S F F F
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=64,
+                rotary_dim=16,
+                sliding_window=128,
+                intermediate_size=512,
+                num_experts=24,
+                num_experts_per_tok=4,
+                moe_intermediate_size=128,
+                max_position_embeddings=4096,
+                quantize_lm_head=True,
+            ),
+            draft=DraftConfig(
+                sliding_window=64, num_experts=24, num_experts_per_tok=4, moe_intermediate_size=128
+            ),
+        )
     raise ConfigError(f"preset: unknown preset {name!r}; choose one of {PRESETS}")
 
 
-PRESETS = ("iquest-q1", "tiny")
+PRESETS = ("iquest-q1", "tiny", "mini")
