@@ -19,8 +19,11 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 from negative_controls import (  # noqa: E402
+    combine_controls,
+    readiness_controls,
     rejection_controls,
     ring_controls,
+    router_controls,
     sampler_controls,
     sink_controls,
 )
@@ -30,6 +33,9 @@ ALL = (
     + sampler_controls.CONTROLS
     + rejection_controls.CONTROLS
     + sink_controls.CONTROLS
+    + combine_controls.CONTROLS
+    + readiness_controls.CONTROLS
+    + router_controls.CONTROLS
 )
 
 

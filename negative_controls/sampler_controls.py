@@ -4,6 +4,7 @@ kernels.sampler.sample with one readable defect and runs the gate against the wr
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -47,12 +48,31 @@ def _drop_crossing_token(real):
     return sample
 
 
-def _gate(wrapper):
+def _top_p_before_top_k(real):
+    """Top-p is cut first, on the softmax over the whole vocabulary (the crossing token kept);
+    the kernel then takes its top-k of that nucleus, with its own top-p off."""
+
+    def sample(logits, params, seed, positions, *a, **kw):
+        if params.top_p >= 1.0 or params.temperature == 0:
+            return real(logits, params, seed, positions, *a, **kw)
+        p = torch.softmax(logits.double() / params.temperature, dim=-1)  # [R, V]
+        p_sorted, order = p.sort(dim=-1, descending=True, stable=True)
+        before = p_sorted.cumsum(-1) - p_sorted  # mass strictly before each token
+        nucleus = torch.zeros_like(p, dtype=torch.bool).scatter(1, order, before < params.top_p)
+        cut = logits.masked_fill(~nucleus, float("-inf"))
+        return real(cut, replace(params, top_p=1.0), seed, positions, *a, **kw)
+
+    return sample
+
+
+def _gate(wrapper, g: sampler_gate.SamplerGateConfig | None = None):
+    """The control's gate run; `g` shrinks the gate for the harness's own tests."""
+
     def run(mutated: bool):
         if not mutated:
-            return sampler_gate.run()
+            return sampler_gate.run(g)
         with _patched(wrapper):
-            return sampler_gate.run()
+            return sampler_gate.run(g)
 
     return run
 
@@ -69,5 +89,12 @@ CONTROLS = (
         "6 sampler gates",
         "top-p keeps the shortest prefix strictly below p, dropping the token that crosses it",
         _gate(_drop_crossing_token),
+    ),
+    Control(
+        "top_k_top_p_order_swapped",
+        "6 sampler gates",
+        "top-p is applied before top-k (nucleus of the full-vocabulary softmax, then its k best) "
+        "instead of top-k, renormalize, then top-p",
+        _gate(_top_p_before_top_k),
     ),
 )

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qualification import (
+    bitexact_gate,
     distribution,
     goldens,
+    readiness_gate,
     ring_gate,
     runtime_gate,
     sampler_gate,
@@ -115,6 +117,19 @@ def gate_goldens(q: QualifyConfig, models) -> GateResult:
     return GateResult("3 bit-exactness (reference CPU)", verdict, f"{n} cases", evidence)
 
 
+def gate_bitexact_runtime(q: QualifyConfig, models) -> GateResult:
+    """The twins engine (CPU, on every machine) == the matched reference, bit for bit."""
+    ok, evidence = bitexact_gate.run()
+    return GateResult("3b bit-exactness (runtime twins vs matched)", PASS if ok else FAIL,
+                      "exact", evidence)
+
+
+def gate_readiness(q: QualifyConfig, models) -> GateResult:
+    """The readiness ring's schedule, every interleaving of small cases (kernels/readiness.py)."""
+    ok, evidence = readiness_gate.run()
+    return GateResult("8 readiness protocol", PASS if ok else FAIL, "exhaustive", evidence)
+
+
 def gate_runtime(q: QualifyConfig, models) -> GateResult:
     """The engine (twins on CPU, kernels on GPU) vs the matched and FP32 references."""
     cfg = runtime_gate.RuntimeGateConfig(prompts=1 if q.quick else 2)
@@ -172,10 +187,12 @@ GATES: tuple[Callable, ...] = (
     gate_runtime,
     gate_stability,
     gate_goldens,
+    gate_bitexact_runtime,
     gate_rings,
     gate_distribution,
     gate_sampler,
     _not_built("7 acceptance", "needs the trained mini model (issue 6)"),
+    gate_readiness,
 )
 
 
