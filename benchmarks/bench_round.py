@@ -28,7 +28,7 @@ from iquestrt.engine import Engine
 from iquestrt.round import RoundProgram
 from iquestrt.weights import from_checkpoint
 from reference.checkpoint import load_checkpoint
-from reference.depth import FixedDepth
+from reference.depth import policy_from_spec
 from reference.speculative import GenerationRequest
 from tests.test_engine_setup import SAMPLING, make_ckpt
 
@@ -59,7 +59,7 @@ def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
 
     st = eng.session.device
     st.done.fill_(1)
-    program = RoundProgram(eng, st, req, eng.rcfg.policy.max_depth)
+    program = RoundProgram(eng, st, req, eng.rcfg.policy)
     program()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -70,7 +70,11 @@ def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--depths", type=int, nargs="+", default=[3, 4, 5, 6, 7])
+    ap.add_argument("--depths", nargs="+", default=["3", "4", "5", "6", "7"],
+                    help="fixed depths and/or 'adaptive' (the checkpoint's depth_policy.json or "
+                         "reference.depth.default_adaptive)")
+    ap.add_argument("--checkpoint", type=Path, default=None,
+                    help="default: a tiny-preset checkpoint with a correlated draft")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
@@ -78,14 +82,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_round: needs a CUDA GPU", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp())
-    ck = load_checkpoint(make_ckpt(tmp / "corr", "correlated"))
+    ck = load_checkpoint(args.checkpoint or make_ckpt(Path(tempfile.mkdtemp()) / "c",
+                                                      "correlated"))
     req = GenerationRequest(PROMPT, args.tokens, SAMPLING, 1)
     engines = {}
     for d in args.depths:
         for graphs in (False, True):
+            policy = policy_from_spec(d, ck.directory)
             rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
-                               policy=FixedDepth(d), graphs=graphs, sync_rounds=8)
+                               policy=policy, graphs=graphs, sync_rounds=8)
             engines[d, graphs] = Engine(from_checkpoint(ck, "cuda", 512), rc)
             engines[d, graphs].generate(req)  # JIT-compile everything first
     times = {k: [] for k in engines}
@@ -102,13 +107,14 @@ def main(argv=None) -> int:
         t = statistics.median(ts)
         n_r, n_tok = len(res.rounds), len(res.tokens) - 1
         launches = launches_per_round(engines[d, graphs], req)
-        rows.append(dict(depth=d, width=d + 1, graphs=graphs, rounds=n_r, launches=launches,
+        rows.append(dict(depth=d, width=res.rounds and max(len(r.drafts) for r in res.rounds) + 1,
+                         graphs=graphs, rounds=n_r, launches=launches,
                          tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,
                          token_us=t / n_tok * 1e6, raw_s=ts))
     print(f"{'D':>2} {'W':>2} {'mode':>6} {'rounds':>6} {'tok/rnd':>7} {'us/round':>9} "
           f"{'us/token':>9} {'launches':>8}")
     for r in rows:
-        print(f"{r['depth']:2d} {r['width']:2d} {'graph' if r['graphs'] else 'eager':>6} "
+        print(f"{r['depth']:>2} {r['width']:2d} {'graph' if r['graphs'] else 'eager':>6} "
               f"{r['rounds']:6d} {r['tokens_per_round']:7.2f} {r['round_us']:9.1f} "
               f"{r['token_us']:9.1f} {r['launches']:8d}")
     for d in args.depths:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from reference.config import ModelConfig
-from reference.depth import FixedDepth
+from reference.depth import AdaptiveDepth, FixedDepth
 
 OPS_BACKENDS = ("kernels", "twins")
 KERNEL_WIDTH = 8  # rows of the padded buffers: the tails' router handles at most 8 rows
@@ -35,7 +35,7 @@ class RuntimeConfig:
     ring_pad: int = 64  # ring slots beyond each window (real config: one 64-key tile)
     max_positions: int | None = None  # RoPE tables / cache cap; None = max_position_embeddings
     max_polls: int = 64  # readiness polls of a tail before it raises its failure flag
-    policy: FixedDepth = FixedDepth(3)  # draft depth per round (0 = plain decoding)
+    policy: FixedDepth | AdaptiveDepth = FixedDepth(3)  # draft depth per round (0 = plain)
     graphs: bool = False  # replay one captured CUDA graph per round (GPU only)
     sync_rounds: int = 4  # rounds launched between two host reads of the result log (GPU)
 
@@ -79,9 +79,10 @@ class RuntimeConfig:
             f"CUDA graphs need a CUDA device, got device {self.device!r}",
         )
         _require(
-            isinstance(self.policy, FixedDepth),
+            isinstance(self.policy, (FixedDepth, AdaptiveDepth)),
             "policy",
-            f"must be a reference.depth.FixedDepth, got {type(self.policy).__name__}",
+            f"must be a reference.depth.FixedDepth or AdaptiveDepth, got "
+            f"{type(self.policy).__name__}",
         )
         _require(
             self.policy.max_depth <= self.max_width - 1,

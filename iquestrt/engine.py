@@ -225,7 +225,7 @@ class Engine:
             stop_ids=req.stop_ids, max_new=req.max_new_tokens, device=dev)
         ds.start(st.tokens, hidden[-1], st.caches.draft_next)
         st.device = ds
-        return self.programs.get(self, ds, req, self.rcfg.policy.max_depth)
+        return self.programs.get(self, ds, req, self.rcfg.policy)
 
     def _loop(self, st: Session, program, on_round) -> None:
         """The decode clock: launch rounds, read the log, stop at the request's end."""

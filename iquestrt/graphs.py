@@ -24,9 +24,10 @@ class RoundPrograms:
         self.graphs = graphs
         self.captured: dict[int, torch.cuda.CUDAGraph] = {}  # depth → graph (current request)
 
-    def get(self, engine, st: DeviceState, req: GenerationRequest, depth: int
+    def get(self, engine, st: DeviceState, req: GenerationRequest, policy
             ) -> Callable[[], None]:
-        program = RoundProgram(engine, st, req, depth)
+        program = RoundProgram(engine, st, req, policy)
+        depth = policy.max_depth
         if not self.graphs:
             return program
         if st.tokens.device.type != "cuda":

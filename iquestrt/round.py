@@ -9,7 +9,10 @@ is a `where(go, new, old)`: it commits nothing.
 
   depth 0   catch-up rows draft_next … m (c = m − draft_next + 1: 1 row, or 2 after a round that
             accepted every draft), token at p with the target hidden of p − 1 (hidden_at …)
-  depth j   one row at position draft_next, token y_j with the previous depth's hidden
+  depth j   one row at position draft_next, token y_j with the previous depth's hidden; with
+            an adaptive policy (reference/depth.py) a control step on the device decides after
+            each depth ≥ 3 whether the next runs: a skipped depth runs its kernels with 0 live
+            rows (they return at once) and the verification width shrinks to 1 + drafts run
   target    [x_m, y_1 … y_D] at positions m … m+D; sample; verify (a accepted)
   settle    target caches keep positions < m+a+1 (written through m+D); the draft ring keeps
             < min(m+a+1, its next position); hidden ← the target's rows m … m+D; m ← m+a+1
@@ -29,6 +32,7 @@ from iquestrt.state import (
     FAULT_TOKEN,
     DeviceState,
 )
+from reference.depth import AdaptiveDepth, FixedDepth, init_features, push_features
 from reference.rng import Purpose
 from reference.speculative import GenerationRequest
 
@@ -39,6 +43,14 @@ def _finite_rows(logits: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> tor
     return bad.any().reshape(1)
 
 
+def _served_features(out, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q(y) and the entropy of the served row (fp32, on the device) → ([1], [1])."""
+    ids, probs = out.ids[0], out.probs[0]  # [W]
+    q = (probs * (ids == y).to(probs.dtype)).sum().reshape(1)
+    logs = torch.where(probs > 0, probs.clamp(min=1e-30).log(), 0.0)
+    return q, (-(probs * logs).sum()).reshape(1)
+
+
 def _positions(start: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
     return torch.where(ar < n, start + ar, -1).to(torch.int32)  # [R]; padding −1
 
@@ -46,8 +58,12 @@ def _positions(start: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.
 class RoundProgram:
     """Callable: one round of fixed draft depth on `st` (see the module docstring)."""
 
-    def __init__(self, engine, st: DeviceState, req: GenerationRequest, depth: int):
-        self.e, self.st, self.req, self.depth = engine, st, req, depth
+    def __init__(self, engine, st: DeviceState, req: GenerationRequest,
+                 policy: FixedDepth | AdaptiveDepth):
+        self.e, self.st, self.req, self.depth = engine, st, req, policy.max_depth
+        self.adaptive = policy if isinstance(policy, AdaptiveDepth) else None
+        self.table = self.adaptive.table(st.tokens.device) if self.adaptive else None
+        self._host_cpu = st.tokens.device.type == "cpu"  # device reads are free there
         rows, dev = st.rows, st.tokens.device
         width = st.q_ids.shape[2]
         self.q_ids = torch.full((rows - 1, width), -1, dtype=torch.int64, device=dev)
@@ -74,8 +90,10 @@ class RoundProgram:
                 return
             last = (c - 1).clamp(min=0).long()
             nxt = nxt + c
+        one = go.clone()  # 1 while this depth runs
+        n_d = torch.zeros_like(go)  # drafts run
+        feat = init_features(1, go.device)
         for j in range(self.depth):
-            one = go.clone()
             row = logits.index_select(0, last)  # [1, V]: the depth's last row
             out = ops.sample(row, req.sampling, req.seed, nxt.long(), Purpose.DRAFT_SAMPLE,
                              Live.on_device(one))
@@ -83,8 +101,15 @@ class RoundProgram:
             st.record_fault((one > 0) & ((y < 0) | (y >= vocab)), FAULT_TOKEN, j, y)
             y = y.clamp(0, vocab - 1)
             self.q_ids[j], self.q_probs[j], self.d_buf[j] = out.ids[0], out.probs[0], y[0]
+            n_d = n_d + one
             if j == self.depth - 1:
                 break
+            if self.adaptive is not None:  # the control step: run depth j + 2?
+                feat = push_features(feat, *_served_features(out, y))
+                more = self.adaptive.more_batch(j + 1, feat, self.table)
+                one = one * more.to(torch.int32)
+                if self._host_cpu and int(one[0]) == 0:
+                    break  # CPU: a skipped depth runs nothing (the twins refuse 0 rows)
             toks = torch.zeros(R, dtype=torch.int64, device=y.device)
             toks[:1] = y
             hp = torch.zeros_like(hid)
@@ -96,8 +121,8 @@ class RoundProgram:
                 return
             last = torch.zeros_like(last)
             nxt = nxt + one
-        # target verification rows [x_m, y_1 … y_D]
-        n_t = (self.depth + 1) * go
+        # target verification rows [x_m, y_1 … y_d], d = drafts run (adaptive: ≤ depth)
+        n_t = (n_d + 1) * go
         toks = torch.cat([st.tokens[m.long()], self.d_buf])[:R]
         logits, hidden = e.target.forward_rows(toks, _positions(m, n_t, ar), Live.on_device(n_t),
                                                caches, e.session.flags)
@@ -109,7 +134,6 @@ class RoundProgram:
             return
         p = ops.sample(logits, req.sampling, req.seed, (m + 1 + ar).long(),
                        Purpose.TARGET_SAMPLE, Live.on_device(n_t))
-        n_d = (n_t - 1).clamp(min=0)
         v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, req.seed, (m + 1).long(),
                        Live.on_device(n_d.to(torch.int32)))
         a = (v.n_accepted * go).to(torch.int32)  # [1]
@@ -122,7 +146,7 @@ class RoundProgram:
         """On the CPU (twins, interpreter) a recorded fault ends the round at once: the twins'
         sampler refuses non-finite logits. Free to read there; never read on a GPU."""
         st = self.st
-        return st.tokens.device.type == "cpu" and bool(st.fault[0] != 0)
+        return self._host_cpu and bool(st.fault[0] != 0)
 
     def _settle(self, go, m, a, n_t, nxt, hidden, emitted, bonus, n_d) -> None:
         st, ops, caches = self.st, self.e.ops, self.e.session.caches

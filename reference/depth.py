@@ -110,7 +110,7 @@ def init_features(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
 
 def push_features(feat: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """Fold one more depth into the features. feat [B, 3] fp32, q/h [B] → [B, 3] fp32."""
-    lo = torch.tensor(P_FLOOR, dtype=torch.float32, device=feat.device)
+    lo = torch.full((), P_FLOOR, dtype=torch.float32, device=feat.device)  # a fill: capturable
     q = q.to(torch.float32)
     q = torch.where(q >= lo, q, lo).clamp(max=1.0)
     cum = feat[:, 0] * q

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,7 @@ from tests.test_engine_setup import (
 # token after 31 tokens, from this one it keeps moving (123 distinct tokens in 256).
 PROMPT = (5, 17, 300, 22, 9, 411, 78, 150)
 PAD = 8  # tiny rings: target 16 + 8 slots, draft 8 + 8 slots
+MINI = Path(__file__).resolve().parents[1] / "models" / "mini"  # the shipped trained model
 
 
 @pytest.fixture(scope="module")
@@ -378,3 +380,27 @@ def test_cli_runtime_errors(corr, capsys, extra, message):
     capsys.readouterr()
     assert main(argv + extra) == 2
     assert message in capsys.readouterr().err
+
+
+# --- adaptive draft depth -----------------------------------------------------------------------
+
+
+def test_adaptive_depth_runs_3_to_7_and_equals_the_reference():
+    """The control step runs on the device (iquestrt/round.py); the reference decides on the host
+    from DraftInfo. On the shipped mini model (the synthetic drafts serve q = 1), with the rule
+    "another depth while the last draft's q ≥ 1/2": tokens, records and depths agree with the
+    matched reference, every round runs 3 … 7 depths and several depths occur; a rule that
+    always continues runs 7 (the decisions are used)."""
+    from reference.depth import AdaptiveDepth
+
+    ck = load_checkpoint(MINI)
+    row = (0.0, 0.0, 1.0, 0.0, 0.0, 0.0)  # score = q of the last draft
+    policy = AdaptiveDepth(weights=(row,) * 4, threshold=0.5)
+    req = GenerationRequest((490, 290, 263, 434, 1085, 337), 40, SAMPLING, 21)
+    res = _engine(ck, policy=policy).generate(req)
+    ref = ReferenceGenerator(_matched(ck), policy).generate(req)
+    depths = [len(r.drafts) for r in res.rounds]
+    assert rounds_key(res) == rounds_key(ref) and res.tokens == ref.tokens
+    assert min(depths) >= 3 and max(depths) <= 7 and len(set(depths)) > 1, depths
+    always = AdaptiveDepth(weights=(row,) * 4, threshold=2.0**-20)
+    assert {len(r.drafts) for r in _engine(ck, policy=always).generate(req).rounds} == {7}

@@ -7,6 +7,7 @@ of every cache after the request. A broken variant shows the digest is sensitive
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,23 @@ def test_digest_is_sensitive(ckpt):
     c.k[slot].view(-1)[0] += 1  # a held slot
     assert cache_digest(eng) != d0
     assert _run(ckpt, GenerationRequest(PROMPT, 24, SAMPLING, 7))[2] != d0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known bug (issue 4 note, session 2): on the mini model a graph run that follows an eager "
+    "run in the same process raises readiness flags at the full-attention layers in round 0; a "
+    "graph-only process gives the eager tokens. Something reads memory whose contents depend on "
+    "earlier allocations"))
+def test_adaptive_graph_equals_eager_on_the_mini_model():
+    """One captured graph at depth 7 whose later depths are gated by the device control step:
+    replays equal eager launches, depths vary within 3 … 7."""
+    from reference.depth import AdaptiveDepth
+
+    mini = load_checkpoint(Path(__file__).resolve().parents[1] / "models" / "mini")
+    policy = AdaptiveDepth(weights=((0.0, 0.0, 1.0, 0.0, 0.0, 0.0),) * 4, threshold=0.5)
+    req = GenerationRequest((490, 290, 263, 434, 1085, 337), 64, SAMPLING, 21)
+    eager = _run(mini, req, policy=policy)
+    graph = _run(mini, req, policy=policy, graphs=True)
+    assert graph == eager
+    depths = {len(r[1]) for r in eager[1]}
+    assert min(depths) >= 3 and max(depths) <= 7 and len(depths) > 1, depths
