@@ -6,9 +6,8 @@ RoPE base, its ring with the draft window, linear_fp8 O) → h = x + attn_out_no
 f_in = bf16(feed_forward_norm(h)) → its own router on the BF16 f_in (not folded) → moe_fp8 →
 out = h + ffn_out_norm(f) → hidden = bf16(norm(out)) → draft lm_head (FP32 logits); hidden is
 also the next depth's hprev.
-No kernel exists yet for the draft's norms, FP32 residual and BF16 router (the attention tails
-round the residual to bf16 before the norm): those run as torch ops of reference/model.py's
-semantics, one row at a time (iquestrt/ops.py says why).
+The norms, the FP32 residual and the BF16 router run as row kernels (kernels/rows.py: the
+attention tails round the residual to bf16, the draft's does not).
 
 Dimension letters: R rows (buffer), n live rows, H hidden, K top-k, V vocabulary.
 """
@@ -19,15 +18,12 @@ import torch
 
 from iquestrt.model import (
     attention_block,
-    each_row,
     lm_head,
     padded_positions,
     padded_tokens,
-    rms_rows,
 )
 from iquestrt.ops import Live
 from iquestrt.weights import Weights
-from reference import ops as ref_ops
 
 
 class DraftModel:
@@ -53,31 +49,20 @@ class DraftModel:
         live rows possibly known only on the device (capturable: no host reads)."""
         d, ops, t = self.w.draft, self.ops, self.t
         rows, dev, eps = self.width, self.w.device, t.rms_norm_eps
-        n = live.torch_rows(rows)
         h_size = t.hidden_size
         e = d.embed[tokens]  # [R, H]
         eh = torch.empty(rows, 2 * h_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
-        each_row(n, eh, lambda r: torch.cat([
-            ref_ops.rms_norm(e[r : r + 1], d.enorm, eps),
-            ref_ops.rms_norm(hprev[r : r + 1].to(torch.bfloat16), d.hnorm, eps)], dim=-1))
+        ops.norm_rows(e, d.enorm, live, eps, y_out=eh[:, :h_size])
+        ops.norm_rows(hprev, d.hnorm, live, eps, y_out=eh[:, h_size:])
         x = ops.linear_bf16_f32(eh, d.eh_proj, live, torch.bfloat16)  # [R, H]
         aw = d.attn
-        xn = rms_rows(x, aw.attention_norm, n, eps)
+        _, xn = ops.norm_rows(x, aw.attention_norm, live, eps)
         o = attention_block(ops, t, aw, xn, pos, live, cache, d.rope)
         a = ops.linear_fp8(o, aw.o, live, torch.bfloat16)  # [R, H]
-        h = torch.empty(rows, h_size, dtype=torch.float32, device=dev)  # FP32 residual
-        each_row(n, h, lambda r: x[r : r + 1].float()
-                 + ref_ops.rms_norm(a[r : r + 1], aw.attn_out_norm, eps).float())
-        f_in = rms_rows(h, aw.ffn_norm, n, eps, torch.bfloat16)
-        k = d.moe.top_k
-        weights = torch.full((rows, k), float("nan"), dtype=torch.float32, device=dev)
-        ids = torch.full((rows, k), -1, dtype=torch.int32, device=dev)
-        for r in range(n):
-            wr, ir = ref_ops.route(f_in[r : r + 1], d.moe.router, k)
-            weights[r : r + 1], ids[r : r + 1] = wr, ir.to(torch.int32)
+        # FP32 residual h = x + attn_out_norm(a); f_in = bf16(ffn_norm(h))
+        h, f_in = ops.norm_rows(x, aw.ffn_norm, live, eps, b=a, wb=aw.attn_out_norm,
+                                store_sum=True)
+        weights, ids = ops.route_rows(f_in, d.moe.router, d.moe.top_k, live)  # [R, K]
         f = ops.moe(f_in, weights, ids, d.moe, live, torch.bfloat16)  # [R, H]
-        hidden = torch.empty(rows, h_size, dtype=torch.bfloat16, device=dev)
-        each_row(n, hidden, lambda r: ref_ops.rms_norm(
-            h[r : r + 1] + ref_ops.rms_norm(f[r : r + 1], d.ffn_out_norm, eps).float(),
-            d.norm, eps, torch.bfloat16))
+        _, hidden = ops.norm_rows(h, d.norm, live, eps, b=f, wb=d.ffn_out_norm)
         return lm_head(ops, d.lm_head, hidden, live), hidden

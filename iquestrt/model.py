@@ -7,10 +7,9 @@ Per layer: linear_fp8 QKV (split-K partials) → qk_rope → write_kv → attent
     router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
     next layer's attention_norm — or the final norm after the last layer).
   * layer 0 (sandwich norms, raw residual): attn_tail with base x and scale 1.0 computes exactly
-    h = bf16(x + attn_out_norm(a)) and f_in; the dense SwiGLU uses linear_fp8 for gate/up/down.
-    No kernel exists yet for its SiLU·up, its ffn_out_norm + residual, or the attention_norm of
-    layers 0 and 1: those are torch ops of reference/model.py's semantics (run one row at a
-    time, like the twins — see iquestrt/ops.py).
+    h = bf16(x + attn_out_norm(a)) and f_in; the dense SwiGLU uses linear_fp8 for gate/up/down,
+    silu_mul_rows for SiLU·up and norm_rows for x = bf16(h + ffn_out_norm(f)) with the next
+    layer's attention_norm (kernels/rows.py; layer 0's own attention_norm too).
   * final norm = the last moe_tail; lm_head = linear_bf16_f32 (FP32 logits), or linear_fp8 when
     the checkpoint quantizes it.
 Each target layer owns one readiness flag (flags[i]); the engine reads them after the forward.
@@ -22,24 +21,9 @@ Hq/Hkv heads, D head dim.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F_
 
 from iquestrt.ops import Live
 from iquestrt.weights import AttnWeights, DenseWeights, Fp8Linear, Weights
-from reference import ops as ref_ops
-
-
-def each_row(n: int, out: torch.Tensor, fn) -> torch.Tensor:
-    """out[r] = fn(r) [1, …] for rows r < n: torch parts without a kernel, one row at a time
-    (a row's bits then never depend on its batch-mates; see iquestrt/ops.py)."""
-    for r in range(n):
-        out[r : r + 1] = fn(r)
-    return out
-
-
-def rms_rows(x: torch.Tensor, w: torch.Tensor, n: int, eps: float, out_dtype=None):
-    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
-    return each_row(n, out, lambda r: ref_ops.rms_norm(x[r : r + 1], w, eps, out_dtype))
 
 
 def padded_positions(start: int, n: int, rows: int, device) -> torch.Tensor:
@@ -92,10 +76,9 @@ class TargetModel:
         the live rows), live rows possibly known only on the device (a device-resident round:
         no host reads, so it can be captured in a CUDA graph)."""
         w, ops, t = self.w, self.ops, self.t
-        rows, eps = self.width, self.t.rms_norm_eps
-        n = live.torch_rows(rows)
+        eps = self.t.rms_norm_eps
         x = w.embed[tokens]  # [R, H] bf16 (padding rows embed token 0; never read)
-        xn = rms_rows(x, w.layers[0].attn.attention_norm, n, eps)
+        _, xn = ops.norm_rows(x, w.layers[0].attn.attention_norm, live, eps)
         last = len(w.layers) - 1
         for layer in w.layers:
             i, aw = layer.index, layer.attn
@@ -105,8 +88,7 @@ class TargetModel:
             if layer.dense is not None:  # layer 0: raw residual x, scale 1.0
                 tail = ops.attn_tail(o_parts, x, aw.attn_out_norm, aw.ffn_norm, live,
                                      flags[i : i + 1], eps=eps, attn_out_scale=1.0)
-                x = self._dense(layer.dense, tail.h, tail.f_in, live)
-                xn = rms_rows(x, next_norm, n, eps)
+                x, xn = self._dense(layer.dense, tail.h, tail.f_in, live, next_norm)
                 continue
             tail = ops.attn_tail(o_parts, xn, aw.attn_out_norm, aw.ffn_norm, live,
                                  flags[i : i + 1], eps=eps, attn_out_scale=t.attn_out_scale,
@@ -116,15 +98,14 @@ class TargetModel:
                               ffn_out_scale=t.ffn_out_scale).xn
         return lm_head(ops, w.lm_head, xn, live), xn
 
-    def _dense(self, dw: DenseWeights, h, f_in, live: Live) -> torch.Tensor:
-        """Layer 0's SwiGLU + ffn_out_norm + raw residual → x [R, H] bf16 (reference.ops.swiglu
-        with FP8 projections: gate, up, down rounded to bf16, SiLU·up rounded to bf16)."""
-        ops, n, eps = self.ops, live.torch_rows(h.shape[0]), self.t.rms_norm_eps
+    def _dense(self, dw: DenseWeights, h, f_in, live: Live, next_norm):
+        """Layer 0's SwiGLU + ffn_out_norm + raw residual → (x, next layer's xn) [R, H] bf16
+        (reference.ops.swiglu with FP8 projections: gate, up, down rounded to bf16, SiLU·up
+        rounded to bf16; x = bf16(h + ffn_out_norm(f)))."""
+        ops, eps = self.ops, self.t.rms_norm_eps
         g = ops.linear_fp8(f_in, dw.gate, live, torch.bfloat16)  # [R, F]
         u = ops.linear_fp8(f_in, dw.up, live, torch.bfloat16)
-        act = each_row(n, torch.empty_like(g), lambda r: (
-            F_.silu(g[r : r + 1].float()) * u[r : r + 1].float()).to(torch.bfloat16))
+        act = ops.silu_mul_rows(g, u, live)
         f = ops.linear_fp8(act, dw.down, live, torch.bfloat16)  # [R, H]
-        return each_row(n, torch.empty_like(h), lambda r: (
-            h[r : r + 1].float()
-            + ref_ops.rms_norm(f[r : r + 1], dw.ffn_out_norm, eps).float()).to(torch.bfloat16))
+        return ops.norm_rows(h, next_norm, live, eps, b=f, wb=dw.ffn_out_norm,
+                             sum_dtype=torch.bfloat16, store_sum=True)

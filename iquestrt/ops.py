@@ -25,6 +25,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F_
 
 from iquestrt.weights import Fp8Linear, MoeWeights
 from kernels import attention as k_attention
@@ -32,12 +33,14 @@ from kernels import kv_cache as k_kv
 from kernels import linear as k_linear
 from kernels import moe as k_moe
 from kernels import qk_rope as k_qk
+from kernels import rows as k_rows
 from kernels import sampler as k_sampler
 from kernels import tails as k_tails
 from kernels import verify as k_verify
 from kernels.sampler import SampleOut
 from kernels.verify import VerifyOut
 from reference import dense_twins, fp8_ops, kv_layout, sampling_twins
+from reference import ops as ref_ops
 from reference import tails as t_tails
 from reference.tails import AttnTailOut, MoeTailOut
 
@@ -178,6 +181,38 @@ class TwinOps:
                          torch.tensor([tok], dtype=torch.int64, device=self.dev),
                          torch.tensor([int(bonus)], **i32), em)
 
+    # --- row parts (kernels/rows.py): the torch expressions of reference/model.py, row by row
+    def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
+                  store_sum=False, y_out=None, y_dtype=torch.bfloat16):
+        rows = a.shape[0]
+        s_out = torch.full(a.shape, NAN, dtype=sum_dtype, device=self.dev) if store_sum else None
+        y = None
+        if w is not None:
+            y = y_out if y_out is not None else torch.full(a.shape, NAN, dtype=y_dtype,
+                                                           device=self.dev)
+        for r in range(min(live.n, rows)):
+            s_r = a[r : r + 1]
+            if b is not None:
+                t = ref_ops.rms_norm(b[r : r + 1], wb, eps)
+                s_r = (s_r.float() + t.float()).to(sum_dtype)
+                if store_sum:
+                    s_out[r : r + 1] = s_r
+            if y is not None:
+                y[r : r + 1] = ref_ops.rms_norm(s_r, w, eps, y.dtype)
+        return s_out, y
+
+    def silu_mul_rows(self, g, u, live: Live):
+        act = _rows(live.n, lambda r: (F_.silu(g[r : r + 1].float())
+                                       * u[r : r + 1].float()).to(torch.bfloat16))
+        return _padded(act, g.shape[0], self.dev)
+
+    def route_rows(self, x, router_w, top_k: int, live: Live):
+        outs = [ref_ops.route(x[r : r + 1], router_w, top_k) for r in range(live.n)]
+        rows = x.shape[0]
+        wts = _padded(torch.cat([o[0] for o in outs]), rows, self.dev)
+        ids = _padded(torch.cat([o[1] for o in outs]).to(torch.int32), rows, self.dev, -1)
+        return wts, ids
+
 
 class KernelOps:
     name = "kernels"
@@ -247,6 +282,17 @@ class KernelOps:
                n_drafts: Live) -> VerifyOut:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
                                n_drafts=n_drafts.t)
+
+    def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
+                  store_sum=False, y_out=None, y_dtype=torch.bfloat16):
+        return k_rows.norm_rows(a, w, live.t, eps, b=b, wb=wb, sum_dtype=sum_dtype,
+                                store_sum=store_sum, y_out=y_out, y_dtype=y_dtype)
+
+    def silu_mul_rows(self, g, u, live: Live):
+        return k_rows.silu_mul_rows(g, u, live.t)
+
+    def route_rows(self, x, router_w, top_k: int, live: Live):
+        return k_rows.route_rows(x, router_w, top_k, live.t)
 
 
 def make_ops(name: str, device, max_polls: int):

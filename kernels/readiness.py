@@ -241,16 +241,27 @@ def wait_ready(ptrs, mask, max_polls):
 def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr, flag_ptr,
               row, n, cols, cmask, max_polls,
               NPART: tl.constexpr, REARM: tl.constexpr, WRITE_POLLS: tl.constexpr):
-    """Prologue of a consumer's row program: wait for Σ partials of `row` (a padding row, row ≥ n,
-    polls row 0 instead: it needs the evidence, not the data), raise the flag on a timeout,
-    re-arm this row of `rearm` once ready. → (FP32 sum [BLOCK_H], ready, live)."""
+    """Prologue of a consumer's row program: wait for Σ partials of `row`, raise the flag on a
+    timeout, re-arm this row of `rearm` once ready. → (FP32 sum [BLOCK_H], ready, live).
+    A padding row (row ≥ n) with re-arming polls row 0 instead: it needs the evidence that this
+    step's producers ran, not the data (so a re-arming step must have n ≥ 1). Without re-arming a
+    padding row has nothing to wait for: it makes no poll and raises no flag — also when n = 0,
+    as in a device round after the request finished (iquestrt/round.py), whose partial buffers
+    nobody writes."""
     live = row < n
     src = tl.where(live, row, 0)
+    if REARM:
+        budget = max_polls
+    else:
+        budget = tl.where(live, max_polls, 0)
     acc, ready, polls = wait_partial_sum(part_ptr + src * stride_pr, stride_pn, cols, cmask,
-                                         max_polls, NPART)
+                                         budget, NPART)
     if WRITE_POLLS:
         tl.store(polls_ptr + row, polls)
-    tl.store(flag_ptr, 1, mask=ready == 0)
+    fail = ready == 0
+    if not REARM:
+        fail = fail & live
+    tl.store(flag_ptr, 1, mask=fail)
     if REARM:
         nan = tl.full(cols.shape, float("nan"), tl.float32).to(rearm_ptr.dtype.element_ty)
         tl.store(rearm_ptr + row * stride_ar + cols, nan, mask=cmask & (ready != 0))

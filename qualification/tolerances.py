@@ -492,6 +492,43 @@ _ROWS: tuple[Tolerance, ...] = (
         "weights not renormalized over the top k — "
         "test_tails.py::test_broken_variants_exceed_their_rows",
     ),
+    # kernels/rows.py: layer 0's SwiGLU tail and the draft's norms / FP32 residual / router
+    Tolerance(
+        "kernels.rows.norm", "bf16", 2.0**-7, 2e-4,
+        "norm_rows vs the twins' row-by-row reference.ops.rms_norm: identical rounding points; "
+        "the order of each sum of squares moves 1/sqrt by an ulp and a bf16 rounding flips (as "
+        "kernels.residual_norm.attn_tail); a flipped inner bf16(rms(b)) moves the sum by one "
+        "bf16 ulp of that term ≤ 2^-8·max|s|",
+        "the inner rms(b) not rounded to bf16, the norm weight dropped — tests/kernels/"
+        "test_rows.py::test_broken_variants_exceed_their_rows",
+    ),
+    Tolerance(
+        "kernels.rows.norm", "fp32", 2.0**-7, 2e-4,
+        "the FP32 residual s = a + bf16(rms(b)) (draft): a flip of the inner bf16 rounding "
+        "moves s by one bf16 ulp of that term; otherwise bit-exact",
+        "the inner rms(b) not rounded to bf16 — tests/kernels/test_rows.py",
+    ),
+    Tolerance(
+        "kernels.rows.silu", "bf16", 2.0**-7, 2e-4,
+        "bf16(silu(g)·u): exp differs by a few fp32 ulps between libdevice/NumPy and torch, "
+        "so a bf16 rounding of the product flips now and then (≤ one bf16 ulp of the element)",
+        "silu·up without the bf16 rounding of g, u (FP32 inputs) or silu(u)·g — "
+        "tests/kernels/test_rows.py",
+    ),
+    Tolerance(
+        "kernels.rows.route", "fp32", 1e-5, 5e-6,
+        "router weights vs reference.ops.route on the same BF16 rows: FP32 dot products in "
+        "another order (≈√H·2^-24 of max|logit|), exp, and sums of E and K terms; ids are "
+        "compared exactly away from near-ties (kernels.rows.route int32)",
+        "weights not renormalized over the top k — tests/kernels/test_rows.py",
+    ),
+    Tolerance(
+        "kernels.rows.route", "int32", 0.0, 0.0,
+        "expert ids exact (order: probability desc, index asc) where the twin's sorted "
+        "probabilities around the k-th are not a near-tie",
+        "ties broken by the higher index; routing from fp32 instead of the bf16 input — "
+        "tests/kernels/test_rows.py",
+    ),
     Tolerance(
         "kernels.router.ids", "int32", 0.0, 0.0,
         "expert ids exact vs ops.route on the kernel's own logits (order: probability desc, index "

@@ -133,6 +133,29 @@ class Lockstep:
             self._cmp(got.weights[:n], want.weights[:n], "kernels.router.weights", "fp32")
         return got
 
+    def norm_rows(self, a, w, live, eps, **kw):
+        got = self.k.norm_rows(a, w, live, eps, **kw)
+        want = self.t.norm_rows(a, w, live, eps, **{**kw, "y_out": None})
+        n = live.n
+        for g, t in zip(got, want, strict=True):
+            if g is not None:
+                self._cmp(g[:n], t[:n], "kernels.rows.norm",
+                          "bf16" if g.dtype == torch.bfloat16 else "fp32")
+        return got
+
+    def silu_mul_rows(self, g, u, live):
+        got = self.k.silu_mul_rows(g, u, live)
+        self._cmp(got[: live.n], self.t.silu_mul_rows(g, u, live)[: live.n], "kernels.rows.silu",
+                  "bf16")
+        return got
+
+    def route_rows(self, x, router_w, top_k, live):
+        got = self.k.route_rows(x, router_w, top_k, live)
+        want = self.t.route_rows(x, router_w, top_k, live)
+        self._cmp(got[1][: live.n], want[1][: live.n], "kernels.rows.route", "int32")
+        self._cmp(got[0][: live.n], want[0][: live.n], "kernels.rows.route", "fp32")
+        return got
+
     def moe(self, x, weights, ids, m, live, out_dtype):
         got = self.k.moe(x, weights, ids, m, live, out_dtype)
         want = self.t.moe(x, weights, ids, m, live, out_dtype)

@@ -501,6 +501,40 @@ def test_wrapper_errors(device):
                  ffn_out_scale=1.0, max_polls=1)
 
 
+@pytest.mark.parametrize("n", [0, 2])
+def test_rows_without_rearm_wait_only_for_live_rows(n, device):
+    """Without re-arming, padding rows have nothing to wait for: on all-NaN (unwritten) partials
+    of the padding rows — and with n = 0, of every row, as in a device round launched after the
+    request finished — no padding row polls and no flag is raised (before this rule they polled
+    row 0 until max_polls and raised the flag whenever row 0 was unwritten). With re-arming, the
+    padding rows still need row 0's evidence: n = 0 then times out (the documented limit)."""
+    g = torch.Generator().manual_seed(8)
+    rows, hidden, experts = 8, 128, 16
+    part = torch.full((2, rows, hidden), float("nan"))
+    part[:, :n] = torch.randn(2, n, hidden, generator=g)
+    xn = torch.randn(rows, hidden, generator=g).bfloat16()
+    w1, w2 = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16(), torch.ones(hidden).bfloat16()
+    rw = torch.randn(experts, hidden, generator=g) / hidden**0.5
+    dev = lambda t: t.to(device)  # noqa: E731
+    n_live = torch.tensor([n], dtype=torch.int32, device=device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    polls = torch.full((rows,), -1, dtype=torch.int32, device=device)
+    out = attn_tail(dev(part), dev(xn), dev(w1), dev(w2), n_live, flag, eps=EPS,
+                    attn_out_scale=1.0, max_polls=50, router_w=dev(rw), top_k=4, polls=polls)
+    assert flag.item() == 0
+    assert polls.cpu().tolist() == [1] * n + [0] * (rows - n)
+    assert not torch.isnan(out.h.cpu()[:n].float()).any()
+    mo_polls = torch.full((rows,), -1, dtype=torch.int32, device=device)
+    moe_tail(dev(part), dev(xn), dev(w2), n_live, flag, eps=EPS, ffn_out_scale=1.0,
+             max_polls=50, polls=mo_polls)
+    assert flag.item() == 0 and mo_polls.cpu().tolist() == [1] * n + [0] * (rows - n)
+    if n == 0:
+        rearm = torch.zeros(rows, hidden, device=device)
+        moe_tail(dev(part), dev(xn), dev(w2), n_live, flag, eps=EPS, ffn_out_scale=1.0,
+                 max_polls=50, rearm=rearm, polls=mo_polls)
+        assert flag.item() == 1 and mo_polls.cpu().tolist() == [50] * rows
+
+
 # --- the compiled (non-interpreter) kernels build for sm_90 ------------------------------------
 
 
@@ -571,3 +605,4 @@ def test_compiled_kernels_build_for_sm90():
 
 if __name__ == "__main__":
     print(json.dumps(_compile_sm90()))
+

@@ -1,0 +1,157 @@
+"""kernels/rows.py against the twins' row-by-row torch expressions (iquestrt/ops.py TwinOps),
+under the interpreter on CPU and compiled on a GPU: odd hidden sizes, poisoned outputs, NaN
+garbage in padding rows (never read: live rows stay finite; never written: padding outputs stay
+poisoned), and broken variants that must exceed each row of qualification/tolerances.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iquestrt.ops import Live, TwinOps
+from kernels.rows import norm_rows, route_rows, silu_mul_rows
+from qualification.tolerances import check, measure, tolerance
+from reference import ops as ref_ops
+from tests.kernels.sm90 import compile_sm90
+
+EPS = 1e-6
+R = 8
+
+
+def _inputs(seed: int, rows: int, hidden: int, n: int, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 2).to(dtype)
+    x[n:] = float("nan")  # padding garbage
+    return x, g
+
+
+def _twins() -> TwinOps:
+    return TwinOps(torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("hidden", [128, 200])
+@pytest.mark.parametrize("n", [1, 5, 8])
+def test_norm_rows_matches_twin(hidden, n, device):
+    a, g = _inputs(hidden + n, R, hidden, n)
+    b, _ = _inputs(hidden + n + 1, R, hidden, n)
+    a32 = a.float()
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
+    wb = (1 + 0.1 * torch.randn(hidden, generator=g)).bfloat16()
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    cases = [  # (a, kwargs): rms of one tensor; layer 0's tail; the draft's FP32 residual
+        (a, {}),
+        (a, dict(b=b, wb=wb, sum_dtype=torch.bfloat16, store_sum=True)),
+        (a, dict(b=b, wb=wb, store_sum=True)),
+        (a32, dict(b=b, wb=wb)),
+    ]
+    for aa, kw in cases:
+        kwd = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        s, y = norm_rows(aa.to(device), w.to(device), live, EPS, **kwd)
+        ts, ty = _twins().norm_rows(aa, w, Live.of(n, "cpu"), EPS, **kw)
+        for got, want in ((s, ts), (y, ty)):
+            if got is None:
+                assert want is None
+                continue
+            got = got.cpu()
+            dt = "bf16" if got.dtype == torch.bfloat16 else "fp32"
+            check(got[:n], want[:n], "kernels.rows.norm", dt)
+            assert torch.isfinite(got[:n].float()).all()
+
+
+def test_norm_rows_writes_only_live_rows_and_strided_outputs(device):
+    n, hidden = 3, 128
+    a, g = _inputs(5, R, hidden, n)
+    w = torch.ones(hidden).bfloat16()
+    eh = torch.full((R, 2 * hidden), -7.0, dtype=torch.bfloat16, device=device)
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    norm_rows(a.to(device), w.to(device), live, EPS, y_out=eh[:, hidden:])
+    eh = eh.cpu()
+    assert (eh[:, :hidden] == -7).all() and (eh[n:] == -7).all()
+    want = ref_ops.rms_norm(a[:n], w, EPS)
+    check(eh[:n, hidden:], want, "kernels.rows.norm", "bf16")
+
+
+def test_silu_mul_rows_matches_twin(device):
+    n, F = 6, 384
+    gt, gen = _inputs(11, R, F, n)
+    ut, _ = _inputs(12, R, F, n)
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    got = silu_mul_rows(gt.to(device), ut.to(device), live).cpu()
+    want = _twins().silu_mul_rows(gt, ut, Live.of(n, "cpu"))
+    check(got[:n], want[:n], "kernels.rows.silu", "bf16")
+
+
+@pytest.mark.parametrize("experts,top_k", [(16, 4), (24, 4), (256, 8)])
+def test_route_rows_matches_twin(experts, top_k, device):
+    n, hidden = 5, 128
+    x, g = _inputs(experts, R, hidden, n)
+    rw = torch.randn(experts, hidden, generator=g) / hidden**0.5
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    wts, ids = route_rows(x.to(device), rw.to(device), top_k, live)
+    tw, ti = _twins().route_rows(x, rw, top_k, Live.of(n, "cpu"))
+    check(ids.cpu()[:n], ti[:n], "kernels.rows.route", "int32")
+    check(wts.cpu()[:n], tw[:n], "kernels.rows.route", "fp32")
+    assert (ids.cpu()[n:] == -1).all() and wts.cpu()[n:].isnan().all()
+
+
+def test_broken_variants_exceed_their_rows():
+    """The mutants named by the rows: each moves the result outside its tolerance."""
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 256, generator=g).bfloat16()
+    b = (torch.randn(4, 256, generator=g) * 3).bfloat16()
+    w = (1 + 0.2 * torch.randn(256, generator=g)).bfloat16()
+    good = (a.float() + ref_ops.rms_norm(b, w, EPS).float())  # inner rms rounded to bf16
+    unrounded = a.float() + ref_ops.rms_norm(b.float(), w, EPS)
+    assert not measure(unrounded, good, tolerance("kernels.rows.norm", "fp32")).ok
+    y = ref_ops.rms_norm(a, w, EPS)
+    no_weight = ref_ops.rms_norm(a, torch.ones_like(w), EPS)
+    assert not measure(no_weight, y, tolerance("kernels.rows.norm", "bf16")).ok
+    u = torch.randn(4, 256, generator=g).bfloat16()
+    silu = (torch.nn.functional.silu(a.float()) * u.float()).bfloat16()
+    swapped = (torch.nn.functional.silu(u.float()) * a.float()).bfloat16()
+    assert not measure(swapped, silu, tolerance("kernels.rows.silu", "bf16")).ok
+    rw = torch.randn(16, 256, generator=g) / 16
+    wts, ids = ref_ops.route(a, rw, 4)
+    probs = torch.softmax(a.float() @ rw.t(), -1)
+    unnorm = torch.gather(probs, 1, ids)
+    assert not measure(unnorm, wts, tolerance("kernels.rows.route", "fp32")).ok
+    with pytest.raises(AssertionError):
+        check(ids.flip(1), ids, "kernels.rows.route", "int32")
+
+
+SM90_COMPILE = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import rows
+
+fn = rows._norm_rows_kernel
+sig = dict(a_ptr="*fp32", b_ptr="*bf16", wb_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32",
+           y_ptr="*bf16", n_live_ptr="*i32", eps="fp32")
+const = dict(HIDDEN=3072, BLOCK_H=4096, HAS_B=True, SUM_BF16=False, STORE_S=True, HAS_W=True,
+             Y_BF16=True, B_BF16=True)
+res = {}
+for fusion in (False, True):
+    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, enable_fp_fusion=fusion))
+    ptx = k.asm["ptx"]
+    res[str(fusion)] = {t: len(re.findall(t, ptx)) for t in (
+        r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt")}
+print(json.dumps(res))
+"""
+
+
+def test_norm_rows_compiles_for_sm90_without_fma():
+    """As launched (enable_fp_fusion=False): no FMA contracts the residual add into the norm,
+    IEEE div.rn / sqrt.rn; with fusion on, FMAs appear (so the check can fail)."""
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    got = compile_sm90(SM90_COMPILE)
+    off, on = got["False"], got["True"]
+    assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
+    assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 2, got
+    assert off["sqrt\\.approx"] == off["rsqrt"] == 0, got
