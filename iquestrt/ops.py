@@ -63,12 +63,13 @@ class Live:
 
     @property
     def n(self) -> int:
-        """The host count; reads the device copy when unknown (a sync: twins and CPU only)."""
+        """The host count; reads the device copy when unknown (a sync: twins, CPU and test
+        harnesses only — refused while a CUDA graph is being captured)."""
         if self.known is not None:
             return self.known
-        if self.t.device.type != "cpu":
+        if self.t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("Live.n: the live-row count is device-resident here (no host "
-                               "reads inside a device round on the GPU)")
+                               "reads inside a captured device round)")
         return int(self.t[0])
 
     def torch_rows(self, rows: int) -> int:
