@@ -38,6 +38,8 @@ class RuntimeConfig:
     policy: FixedDepth | AdaptiveDepth = FixedDepth(3)  # draft depth per round (0 = plain)
     graphs: bool = False  # replay one captured CUDA graph per round (GPU only)
     sync_rounds: int = 4  # rounds launched between two host reads of the result log (GPU)
+    prefetch: bool = True  # expert prefetch on sliding layers when the checkpoint ships a
+    # predictor (prefetch.safetensors; iquestrt/prefetch.py); never changes a bit
 
     def __post_init__(self) -> None:
         _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")

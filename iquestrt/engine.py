@@ -37,6 +37,7 @@ from iquestrt.draft import DraftModel
 from iquestrt.graphs import RoundPrograms
 from iquestrt.model import TargetModel
 from iquestrt.ops import Live, make_ops
+from iquestrt.prefetch import PrefetchConfig, Prefetcher, has_predictors
 from iquestrt.state import (
     FAULT_DRAFT_LOGITS,
     FAULT_READINESS,
@@ -81,7 +82,7 @@ def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 class Engine:
-    def __init__(self, weights: Weights, rcfg: RuntimeConfig):
+    def __init__(self, weights: Weights, rcfg: RuntimeConfig, prefetcher=None):
         cfg = weights.cfg
         rcfg.validate_for(cfg)
         if weights.device != rcfg.torch_device:
@@ -92,14 +93,20 @@ class Engine:
                              f"RuntimeConfig.max_positions needs {rcfg.positions_cap(cfg)}")
         self.w, self.rcfg, self.cfg = weights, rcfg, cfg
         self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls)
-        self.target = TargetModel(weights, self.ops, rcfg.max_width)
+        self.target = TargetModel(weights, self.ops, rcfg.max_width,
+                                  prefetcher if rcfg.prefetch else None)
         self.draft = DraftModel(weights, self.ops, rcfg.max_width)
         self.programs = RoundPrograms(rcfg.graphs)
         self.session: Session | None = None
 
     @classmethod
     def from_checkpoint(cls, directory, rcfg: RuntimeConfig) -> Engine:
-        return cls(load_weights(directory, rcfg.device, rcfg.max_positions), rcfg)
+        """With rcfg.prefetch and a predictor file beside the weights, expert prefetch is on."""
+        weights = load_weights(directory, rcfg.device, rcfg.max_positions)
+        pre = None
+        if rcfg.prefetch and has_predictors(directory):
+            pre = Prefetcher.load(directory, weights, PrefetchConfig(), rcfg.max_width, rcfg.ops)
+        return cls(weights, rcfg, pre)
 
     def prefill_logits(self, tokens: list[int]):
         """A plain prefill of `tokens` through the target in chunks of max_width rows (the decode

@@ -57,9 +57,11 @@ def lm_head(ops, w, hidden, live: Live) -> torch.Tensor:
 
 
 class TargetModel:
-    def __init__(self, weights: Weights, ops, width: int):
+    def __init__(self, weights: Weights, ops, width: int, prefetcher=None):
+        """prefetcher: an iquestrt.prefetch.Prefetcher (a cache hint before sliding layers)."""
         self.w, self.ops, self.width = weights, ops, width
         self.t = weights.cfg.target
+        self.prefetcher = prefetcher
 
     def forward(self, tokens: torch.Tensor, start: int, caches, flags: torch.Tensor):
         """tokens [n] at positions start … start+n−1 (n ≤ width) → (logits [R, V] FP32,
@@ -82,6 +84,8 @@ class TargetModel:
         last = len(w.layers) - 1
         for layer in w.layers:
             i, aw = layer.index, layer.attn
+            if self.prefetcher is not None:
+                self.prefetcher.maybe_prefetch(i, xn, live)
             o = attention_block(ops, t, aw, xn, pos, live, caches.target[i], layer.rope)
             o_parts = ops.linear_fp8_partials(o, aw.o, live)  # [S, R, H]
             next_norm = w.norm if i == last else w.layers[i + 1].attn.attention_norm

@@ -112,3 +112,24 @@ def test_adaptive_graph_equals_eager_on_the_mini_model():
     assert graph == eager
     depths = {len(r[1]) for r in eager[1]}
     assert min(depths) >= 3 and max(depths) <= 7 and len(depths) > 1, depths
+
+
+def test_expert_prefetch_changes_no_bit():
+    """The mini model ships a predictor (models/mini/prefetch.*): with prefetch on, the sliding
+    layers' prefetch kernels run at 4 live rows (depth 3) and warm predicted experts; tokens,
+    round records and caches equal a run with prefetch off, graphs and eager alike."""
+    mini = Path(__file__).resolve().parents[1] / "models" / "mini"
+    req = GenerationRequest((490, 290, 263, 434, 1085, 337), 48, SAMPLING, 8)
+    runs = {}
+    for pre in (True, False):
+        for graphs in (True, False):
+            rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
+                               policy=FixedDepth(3), graphs=graphs, prefetch=pre)
+            eng = Engine.from_checkpoint(mini, rc)
+            assert (eng.target.prefetcher is not None) == pre
+            res = eng.generate(req)
+            runs[pre, graphs] = (res.tokens, rounds_key(res), cache_digest(eng))
+            if pre:
+                sink = next(iter(eng.target.prefetcher.buffers.values())).sink.cpu()
+                assert sink.abs().sum() > 0, "the prefetch kernels never ran (sink still 0)"
+    assert len(set(runs.values())) == 1

@@ -1,0 +1,364 @@
+"""Expert prefetch predictor: routing traces → one matrix P [H, E] per sliding layer → the experts
+a verification step of 4–5 rows will probably route to, known before the layer's attention runs.
+
+Prediction (the twin of kernels/prefetch.py, exact: the kernel sums in the same pinned order):
+  part[j, r, e] = Σ_{h in chunk j, ascending} x[r, h] · P[h, e]   (FP32, each product and each
+                  add rounded; chunks of SCORE_CHUNK hidden columns)
+  score[r, e]   = ((0 + part[0]) + part[1]) + …                   (chunks in order)
+  agg[e]        = ((0 + score[0]) + score[1]) + …                 (live rows in order)
+  ids           = the m experts of largest agg (NaN counts as −inf; ties: lower index first).
+Summing scores over rows ranks experts by the expected number of rows routed to them (the fit
+targets the selection indicator), i.e. by expected coverage.
+
+Fit (deterministic): the incoming hidden state xn of each sliding layer (its attention input)
+and the experts the layer's router then picks are traced from ReferenceModel (hooks on the
+instance, the model file is untouched) over prompts of data/requests; per layer a ridge least
+squares of the top-k indicator on xn in float64, rounded to BF16 for storage (the runtime's
+dtype; BF16 · BF16 products are exact in FP32). Coverage = the share of the routed (row, expert)
+pairs of a step whose expert was predicted, over steps of consecutive prompt rows of held-out
+prompts (files disjoint from the fitting prompts). Prompt rows are teacher-forced text, not
+draft tokens: real verification rows are a slightly different distribution.
+
+Files beside the checkpoint: prefetch.safetensors (`layers.{i}.predictor` [H, E] BF16) and
+prefetch.json (format, shapes, defaults m / rows, fit settings, prompt ids, coverage).
+
+Dimension letters: T traced rows, S steps, W rows per step, R rows, H hidden, E experts,
+K top-k, M predicted experts, J score chunks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from corpus.requests import load_requests
+from corpus.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from reference import ops
+from reference.checkpoint import INDEX, load_checkpoint
+from reference.config import ModelConfig
+from reference.model import ReferenceModel
+
+SCORE_CHUNK = 128  # hidden columns per partial sum; pinned, the kernel uses the same
+FORMAT = "iquestrt-prefetch-v1"
+TENSORS, META = "prefetch.safetensors", "prefetch.json"
+
+
+class PrefetchError(ValueError):
+    """A predictor file or fit setting is unusable; the message names the file or field."""
+
+
+# --- the twin ------------------------------------------------------------------------------
+
+
+def score_partials_ref(x: torch.Tensor, p: torch.Tensor, chunk: int = SCORE_CHUNK):
+    """x [T, H], p [H, E] → [J, T, E] FP32 partial sums in ascending column order. Rows are
+    independent (elementwise ops only), so batching rows changes no bit."""
+    x32, p32 = x.float(), p.float()
+    t, hidden = x32.shape
+    parts = []
+    for h0 in range(0, hidden, chunk):
+        acc = torch.zeros(t, p32.shape[1])
+        for h in range(h0, min(h0 + chunk, hidden)):
+            acc = acc + x32[:, h : h + 1] * p32[h]
+        parts.append(acc)
+    return torch.stack(parts)
+
+
+def scores_ref(x: torch.Tensor, p: torch.Tensor, chunk: int = SCORE_CHUNK) -> torch.Tensor:
+    """[T, E]: the partials added in chunk order."""
+    acc = torch.zeros(x.shape[0], p.shape[1])
+    for part in score_partials_ref(x, p, chunk):
+        acc = acc + part
+    return acc
+
+
+def aggregate_ref(scores: torch.Tensor) -> torch.Tensor:
+    """[…, W, E] → […, E]: the rows added in order."""
+    acc = torch.zeros(scores.shape[:-2] + scores.shape[-1:])
+    for w in range(scores.shape[-2]):
+        acc = acc + scores[..., w, :]
+    return acc
+
+
+def select_ref(agg: torch.Tensor, m: int) -> torch.Tensor:
+    """[…, E] → […, M] int64: largest first, NaN as −inf, ties to the lower index."""
+    a = torch.where(torch.isnan(agg), float("-inf"), agg)
+    return torch.sort(a, dim=-1, descending=True, stable=True).indices[..., :m]
+
+
+def prefetch_experts_ref(hidden, n_live: int, p, m: int, min_rows: int, max_rows: int):
+    """hidden [R, H] → the M predicted expert ids (int32), or None when n_live is outside
+    [min_rows, max_rows] (the kernel then launches programs that return at once)."""
+    n = min(int(n_live), hidden.shape[0])
+    if not min_rows <= n <= max_rows:
+        return None
+    agg = aggregate_ref(scores_ref(hidden[:n], p))
+    return select_ref(agg, m).to(torch.int32)
+
+
+# --- traces --------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    xn: list[torch.Tensor]  # per prompt [T, H]: the layer's attention input
+    ids: list[torch.Tensor]  # per prompt [T, K] int64: the experts its router picked
+
+
+class _Stop(Exception):
+    """Raised after the last traced layer's routing: later layers and lm_head are not needed."""
+
+
+@contextmanager
+def recording(model, layers: tuple[int, ...]):
+    """While active, model.target(...) fills {layer: Trace} and stops after layers[-1]'s router.
+    The router input is recomputed exactly as ReferenceModel._moe chooses it (folded or not)."""
+    traces = {i: Trace([], []) for i in layers}
+    real_attn, real_moe = model._attn, model._moe
+
+    def attn(pre, xn, positions, cache, layer, window, theta):
+        if pre.startswith("model.layers.") and layer in traces:
+            traces[layer].xn.append(xn.detach().clone())
+        return real_attn(pre, xn, positions, cache, layer, window, theta)
+
+    def moe(pre, x, top_k, router_in=None):
+        layer = int(pre.split(".")[2]) if pre.startswith("model.layers.") else -1
+        if layer in traces:
+            src = x if router_in is None else router_in
+            traces[layer].ids.append(ops.route(src, model.p[pre + "mlp.router.weight"], top_k)[1])
+            if layer == layers[-1]:
+                raise _Stop
+        return real_moe(pre, x, top_k, router_in)
+
+    model._attn, model._moe = attn, moe
+    try:
+        yield traces
+    finally:
+        del model._attn, model._moe  # the class methods show through again
+
+
+def collect_traces(model, prompts: list[torch.Tensor], layers: tuple[int, ...]):
+    """prompts: token tensors [T] (positions 0 … T−1, no cache) → {layer: Trace}."""
+    layers = tuple(sorted(layers))
+    with recording(model, layers) as traces:
+        for toks in prompts:
+            try:
+                model.target(toks, torch.arange(toks.shape[0]))
+            except _Stop:
+                pass
+    return traces
+
+
+# --- fit and coverage ----------------------------------------------------------------------
+
+
+def fit_layer(xn: torch.Tensor, ids: torch.Tensor, experts: int, ridge: float) -> torch.Tensor:
+    """xn [N, H], ids [N, K] → P [H, E] FP32: argmin ‖xn·P − Y‖² + λ‖P‖², Y the top-k indicator,
+    λ = ridge · mean diagonal of xnᵀxn."""
+    x = xn.double()
+    y = torch.zeros(x.shape[0], experts, dtype=torch.float64)
+    y.scatter_(1, ids.long(), 1.0)
+    a = x.T @ x
+    a = a + ridge * a.diagonal().mean() * torch.eye(a.shape[0], dtype=torch.float64)
+    return torch.linalg.solve(a, x.T @ y).float()
+
+
+def _steps(tr: Trace, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Consecutive rows of each prompt cut into steps of w (a short tail dropped) → xn [S, W, H],
+    ids [S, W, K]."""
+    xs, ids = [], []
+    for x, i in zip(tr.xn, tr.ids, strict=True):
+        s = x.shape[0] // w
+        xs.append(x[: s * w].reshape(s, w, -1))
+        ids.append(i[: s * w].reshape(s, w, -1))
+    return torch.cat(xs), torch.cat(ids)
+
+
+def step_coverage(pred: torch.Tensor, ids: torch.Tensor) -> dict:
+    """pred [S, M], ids [S, W, K] → coverage, precision (predicted experts some row used) and the
+    mean number of distinct routed experts per step."""
+    hit = (ids[..., None] == pred[:, None, None, :]).any(-1)  # [S, W, K]
+    used = (pred[:, :, None] == ids.flatten(1)[:, None, :]).any(-1)  # [S, M]
+    distinct = [len(set(s.flatten().tolist())) for s in ids]
+    return {"coverage": hit.double().mean().item(), "precision": used.double().mean().item(),
+            "distinct": sum(distinct) / len(distinct), "steps": ids.shape[0]}
+
+
+def coverage(p: torch.Tensor, tr: Trace, w: int, m: int) -> dict:
+    """Coverage of the twin's predictions (prefetch_experts_ref per step, batched)."""
+    xs, ids = _steps(tr, w)
+    s, _, hidden = xs.shape
+    scores = scores_ref(xs.reshape(s * w, hidden), p).reshape(s, w, -1)
+    return step_coverage(select_ref(aggregate_ref(scores), m), ids)
+
+
+@dataclass(frozen=True)
+class FitSpec:
+    fit_prompts: int = 24
+    eval_prompts: int = 12
+    max_tokens: int = 384  # prompts truncated to their first max_tokens tokens
+    m: int = 0  # experts predicted per step; 0: 2 · top-k
+    rows: tuple[int, ...] = (4, 5)  # live verification rows that prefetch
+    ridge: float = 1e-3
+    precision: str = "bf16-fold"  # the runtime's routing semantics (folded FP32 router input)
+
+    def check(self, cfg: ModelConfig) -> int:
+        e = cfg.target.num_experts
+        m = self.m or min(e, 2 * cfg.target.num_experts_per_tok)
+        for name, v, lo in (("fit_prompts", self.fit_prompts, 1), ("eval_prompts",
+                            self.eval_prompts, 1), ("max_tokens", self.max_tokens, 2)):
+            if v < lo:
+                raise PrefetchError(f"FitSpec.{name}: expected >= {lo}, got {v}")
+        if not 1 <= m <= e:
+            raise PrefetchError(f"FitSpec.m: expected 1..num_experts={e}, got {m}")
+        if not self.rows or min(self.rows) < 1 or list(self.rows) != sorted(set(self.rows)):
+            raise PrefetchError(f"FitSpec.rows: expected increasing ints >= 1, got {self.rows}")
+        if not self.ridge > 0:
+            raise PrefetchError(f"FitSpec.ridge: expected > 0, got {self.ridge}")
+        return m
+
+
+def fit_predictors(model, fit: list[torch.Tensor], held_out: list[torch.Tensor], spec: FitSpec):
+    """→ ({layer: P [H, E] BF16}, {layer: {rows: coverage dict}}) over the sliding layers."""
+    cfg = model.cfg
+    m, layers = spec.check(cfg), cfg.target.sliding_layers
+    if not layers:
+        raise PrefetchError(f"{cfg.name}: no sliding-window layers to predict for")
+    tr_fit, tr_eval = collect_traces(model, fit, layers), collect_traces(model, held_out, layers)
+    preds, report = {}, {}
+    for i in layers:
+        f = tr_fit[i]
+        p = fit_layer(torch.cat(f.xn), torch.cat(f.ids), cfg.target.num_experts, spec.ridge)
+        preds[i] = p.to(torch.bfloat16)
+        router_t = model.p[f"model.layers.{i}.mlp.router.weight"].float().T.contiguous()
+        freq = torch.bincount(torch.cat(f.ids).flatten(), minlength=cfg.target.num_experts)
+        static = select_ref(freq.double(), m)
+        report[i] = {}
+        for w in spec.rows:
+            r = coverage(preds[i], tr_eval[i], w, m)
+            r["router_coverage"] = coverage(router_t, tr_eval[i], w, m)["coverage"]
+            ids = _steps(tr_eval[i], w)[1]
+            r["static_coverage"] = step_coverage(static.expand(ids.shape[0], m), ids)["coverage"]
+            r["fit_coverage"] = coverage(preds[i], f, w, m)["coverage"]
+            report[i][w] = r
+    return preds, report
+
+
+# --- files and the CLI ---------------------------------------------------------------------
+
+
+def save_predictors(directory, preds: dict[int, torch.Tensor], meta: dict) -> None:
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {f"layers.{i}.predictor": p.to(torch.bfloat16).contiguous()
+               for i, p in sorted(preds.items())}
+    save_file(tensors, str(d / TENSORS), metadata={"format": FORMAT})
+    (d / META).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def load_predictors(directory, cfg: ModelConfig) -> tuple[dict[int, torch.Tensor], dict]:
+    """→ ({sliding layer: P [H, E] BF16}, metadata), checked against cfg."""
+    d = Path(directory)
+    for f in (TENSORS, META):
+        if not (d / f).is_file():
+            raise PrefetchError(f"{d / f}: no such file (fit: python -m reference.prefetch fit)")
+    try:
+        meta = json.loads((d / META).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise PrefetchError(f"{d / META}: not JSON: {e}") from None
+    if meta.get("format") != FORMAT:
+        raise PrefetchError(f"{d / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    t = cfg.target
+    want = {"hidden": t.hidden_size, "experts": t.num_experts, "layers": list(t.sliding_layers)}
+    for k, v in want.items():
+        if meta.get(k) != v:
+            raise PrefetchError(f"{d / META}: {k} = {meta.get(k)!r}, the model has {v!r} (refit)")
+    tensors = load_file(str(d / TENSORS))
+    preds = {}
+    for i in t.sliding_layers:
+        name = f"layers.{i}.predictor"
+        p = tensors.get(name)
+        if p is None or p.shape != (t.hidden_size, t.num_experts) or p.dtype != torch.bfloat16:
+            got = None if p is None else (tuple(p.shape), str(p.dtype))
+            raise PrefetchError(f"{d / TENSORS}: {name} is {got}, expected "
+                                f"({t.hidden_size}, {t.num_experts}) bfloat16")
+        preds[i] = p
+    return preds, meta
+
+
+def split_requests(reqs: list[dict], n_fit: int, n_eval: int) -> tuple[list[dict], list[dict]]:
+    """Held-out by file: a request evaluates iff sha256(its source path) ≡ 0 mod 3, so no source
+    file feeds both sides; kinds interleaved round-robin, then capped."""
+    def held(r):
+        return int(hashlib.sha256(r["path"].encode()).hexdigest()[:8], 16) % 3 == 0
+
+    def interleave(rs):
+        kinds = sorted({r["kind"] for r in rs})
+        per = [[r for r in rs if r["kind"] == k] for k in kinds]
+        return [q[i] for i in range(max(map(len, per), default=0)) for q in per if i < len(q)]
+
+    fit, ev = interleave([r for r in reqs if not held(r)]), interleave([r for r in reqs if held(r)])
+    if len(fit) < n_fit or len(ev) < n_eval:
+        raise PrefetchError(f"requests: {len(fit)} fit / {len(ev)} held-out available, "
+                            f"asked for {n_fit} / {n_eval}")
+    return fit[:n_fit], ev[:n_eval]
+
+
+def fit_checkpoint(checkpoint, requests, spec: FitSpec) -> tuple[dict, dict]:
+    ck = load_checkpoint(checkpoint)
+    model = ReferenceModel(ck.cfg, ck.dequantized(), spec.precision)
+    tok_path = Path(checkpoint) / "tokenizer.json"
+    tok = load_tokenizer(tok_path if tok_path.is_file() else DEFAULT_TOKENIZER)
+    fit, ev = split_requests(load_requests(Path(requests)), spec.fit_prompts, spec.eval_prompts)
+
+    def encode(rs):
+        return [torch.tensor(tok.encode(r["prompt"], add_special_tokens=False).ids[
+            : spec.max_tokens]) for r in rs]
+
+    preds, report = fit_predictors(model, encode(fit), encode(ev), spec)
+    t = ck.cfg.target
+    meta = {"format": FORMAT, "hidden": t.hidden_size, "experts": t.num_experts,
+            "top_k": t.num_experts_per_tok, "layers": list(t.sliding_layers),
+            "m": spec.check(ck.cfg), "min_rows": min(spec.rows), "max_rows": max(spec.rows),
+            "score_chunk": SCORE_CHUNK, "fit": {**asdict(spec), "rows": list(spec.rows)},
+            "checkpoint_index_sha256": hashlib.sha256(
+                (Path(checkpoint) / INDEX).read_bytes()).hexdigest(),
+            "fit_requests": [r["id"] for r in fit], "held_out_requests": [r["id"] for r in ev],
+            "coverage": {str(i): {str(w): r for w, r in v.items()} for i, v in report.items()}}
+    return preds, meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m reference.prefetch")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fit", help="fit the expert-prefetch predictor of a checkpoint")
+    f.add_argument("--checkpoint", type=Path, required=True)
+    f.add_argument("--out", type=Path, required=True)
+    f.add_argument("--requests", type=Path, default=Path("data/requests/v1"))
+    d = FitSpec()
+    for name in ("fit_prompts", "eval_prompts", "max_tokens", "m"):
+        f.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    f.add_argument("--ridge", type=float, default=d.ridge)
+    a = ap.parse_args(argv)
+    spec = FitSpec(a.fit_prompts, a.eval_prompts, a.max_tokens, a.m, d.rows, a.ridge)
+    preds, meta = fit_checkpoint(a.checkpoint, a.requests, spec)
+    save_predictors(a.out, preds, meta)
+    print(f"{a.out / TENSORS}: m = {meta['m']} of {meta['experts']} experts, held-out coverage "
+          f"(predictor / router on the incoming hidden / static most-frequent / uniform m/E):")
+    for i, per in meta["coverage"].items():
+        for w, r in per.items():
+            print(f"  layer {i}, {w} rows: {r['coverage']:.3f} / {r['router_coverage']:.3f} / "
+                  f"{r['static_coverage']:.3f} / {meta['m'] / meta['experts']:.3f}  "
+                  f"(fit {r['fit_coverage']:.3f}, precision {r['precision']:.3f}, "
+                  f"{r['distinct']:.1f} distinct experts, {r['steps']} steps)")
+
+
+if __name__ == "__main__":
+    main()
