@@ -96,6 +96,18 @@ def _build() -> argparse.ArgumentParser:
         "--draft-depth", type=int, default=3, help="fixed MTP draft depth, 0 = no speculation"
     )
     g.add_argument("--quiet", action="store_true", help="no progress display")
+
+    rp = sub.add_parser("report", help="decode a prompt set and write a report")
+    rsub = rp.add_subparsers(dest="report", required=True, parser_class=_Parser)
+    ra = rsub.add_parser(
+        "acceptance",
+        help="acceptance statistics of speculative decoding (netCDF + summary with plots)",
+        description="Decode a prompt set under depth policies and seeds; write DIR/acceptance.nc "
+        "(dims request, round, depth) and DIR/summary.{md,html} with SVG plots.",
+    )
+    from iquestrt.report.args import add_acceptance_arguments
+
+    add_acceptance_arguments(ra)
     return p
 
 
@@ -121,12 +133,19 @@ def _cmd_generate(a) -> int:
     return generate_from_args(a)
 
 
+def _cmd_report(a) -> int:
+    from iquestrt.report.acceptance import run_from_args
+
+    return run_from_args(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build().parse_args(argv)
     handlers = {
         "make-checkpoint": _cmd_make_checkpoint,
         "convert": _cmd_convert,
         "generate": _cmd_generate,
+        "report": _cmd_report,
     }
     try:
         return handlers[args.command](args)

@@ -1,0 +1,244 @@
+"""`run_acceptance` end to end on the mini model (reference backend, bf16): the Dataset against
+an independent re-decode of every request, per-depth acceptance and distinct experts recomputed
+here from first principles, the summary files, the netCDF round trip, atomic output."""
+
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+from tokenizers import Tokenizer
+
+import reference.ops as ref_ops
+from iquestrt.report import acceptance as acc_mod
+from iquestrt.report.acceptance import NC_NAME, AcceptanceSpec, run_acceptance
+from iquestrt.report.prompts import load_prompts
+from reference.checkpoint import load_checkpoint
+from reference.depth import policy_from_spec
+from reference.model import ReferenceModel
+from reference.speculative import GenerationRequest, ReferenceGenerator
+
+SEEDS, DEPTHS, PROMPT_TOKENS, NEW_TOKENS = (0, 1), ("adaptive", "3"), 24, 12
+
+
+def _spec(mini, prompts, out, **kw):
+    base = dict(checkpoint=mini, prompts=prompts, out=out, seeds=SEEDS, depths=DEPTHS,
+                max_prompt_tokens=PROMPT_TOKENS, max_new_tokens=NEW_TOKENS)
+    return AcceptanceSpec(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def report(mini, two_prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rep") / "r"
+    seen = []
+    run_acceptance(_spec(mini, two_prompts, out), lambda i, n, d: seen.append((i, n)))
+    return out, xr.load_dataset(out / NC_NAME, engine="scipy"), seen
+
+
+@pytest.fixture(scope="module")
+def redecoded(mini, two_prompts):
+    """Every (prompt, seed, policy) decoded again here, straight from the reference."""
+    ck = load_checkpoint(mini)
+    model = ReferenceModel(ck.cfg, ck.dequantized(), precision="bf16")
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
+    out = {}
+    for line in two_prompts.read_text().splitlines():
+        r = json.loads(line)
+        ids = tuple(tok.encode(r["prompt"], add_special_tokens=False).ids[-PROMPT_TOKENS:])
+        for spec in DEPTHS:
+            gen = ReferenceGenerator(model, policy_from_spec(spec, mini))
+            label = "adaptive" if spec == "adaptive" else f"fixed-{spec}"
+            for seed in SEEDS:
+                req = GenerationRequest(ids, NEW_TOKENS, ck.cfg.sampling, seed)
+                out[(r["id"], seed, label)] = (ids, gen.generate(req))
+    return model, out
+
+
+def _index(ds):
+    return {(str(r), int(s), str(p)): i for i, (r, s, p) in enumerate(
+        zip(ds.request_id.values, ds.seed.values, ds.policy.values, strict=True))}
+
+
+def test_dims_variables_and_progress(report):
+    _, ds, seen = report
+    assert set(ds.dims) == {"request", "round", "depth", "layer", "rows"}
+    assert ds.sizes["request"] == 2 * len(SEEDS) * len(DEPTHS)
+    assert seen == [(i, 8) for i in range(8)]
+    for name in ("accepted_length", "chosen_depth", "round_latency_s"):
+        assert ds[name].dims == ("request", "round")
+    for name in ("draft_prob", "draft_entropy", "draft_token", "draft_accepted"):
+        assert ds[name].dims == ("request", "round", "depth")
+    assert ds.depth_acceptance.dims == ("request", "depth")
+    assert ds.distinct_experts.dims == ("request", "layer", "rows")
+    assert list(ds.layer.values) == list(range(1, 8))  # layer 0 of the mini model is dense
+    assert list(ds.rows.values) == list(range(1, 9))
+
+
+def test_rounds_match_an_independent_decode(report, redecoded):
+    _, ds, _ = report
+    _, runs = redecoded
+    idx = _index(ds)
+    assert sorted(idx) == sorted(runs)
+    for key, (ids, res) in runs.items():
+        d = ds.isel(request=idx[key])
+        n = len(res.rounds)
+        assert int(d.n_rounds) == n and int(d.new_tokens) == len(res.tokens)
+        assert int(d.prompt_tokens) == len(ids) == PROMPT_TOKENS
+        assert str(d.stop_reason.values) == res.stop_reason
+        assert float(d.tokens_per_round) == res.mean_accepted_length
+        for k, r in enumerate(res.rounds):
+            assert int(d.round_position[k]) == r.position
+            assert int(d.accepted_drafts[k]) == r.accepted
+            assert int(d.accepted_length[k]) == len(r.emitted)
+            assert int(d.chosen_depth[k]) == len(r.drafts)
+            assert int(d.bonus[k]) == int(r.bonus)
+            for j, info in enumerate(r.drafts):
+                assert int(d.draft_token[k, j]) == info.token
+                assert float(d.draft_prob[k, j]) == info.prob
+                assert float(d.draft_entropy[k, j]) == info.entropy
+                assert int(d.draft_accepted[k, j]) == (1 if j < r.accepted else 0)
+            pad = slice(len(r.drafts), None)
+            assert (d.draft_token[k, pad] == -1).all() and d.draft_prob[k, pad].isnull().all()
+        assert (d.chosen_depth[n:] == -1).all() and d.round_latency_s[n:].isnull().all()
+
+
+def test_per_depth_acceptance_recomputed(report, redecoded):
+    _, ds, _ = report
+    _, runs = redecoded
+    idx = _index(ds)
+    for key, (_, res) in runs.items():
+        got = ds.depth_acceptance.isel(request=idx[key]).values
+        cond = ds.depth_acceptance_conditional.isel(request=idx[key]).values
+        for j in range(1, ds.sizes["depth"] + 1):
+            drafted = [r for r in res.rounds if len(r.drafts) >= j]
+            reached = [r for r in drafted if r.accepted >= j - 1]
+            want = sum(r.accepted >= j for r in drafted) / len(drafted) if drafted else math.nan
+            want_c = sum(r.accepted >= j for r in reached) / len(reached) if reached else math.nan
+            assert got[j - 1] == want or (math.isnan(want) and math.isnan(got[j - 1]))
+            assert cond[j - 1] == want_c or (math.isnan(want_c) and math.isnan(cond[j - 1]))
+    assert np.isfinite(ds.depth_acceptance.sel(depth=1).values).all()
+
+
+def _brute_distinct(ids: list[list[int]], r: int) -> float:
+    counts = [len({e for row in ids[s : s + r] for e in row}) for s in range(len(ids) - r + 1)]
+    return sum(counts) / len(counts)
+
+
+def test_distinct_experts_recomputed(report, redecoded, monkeypatch):
+    _, ds, _ = report
+    model, runs = redecoded
+    calls = []
+    real = ref_ops.route
+
+    def spy(x, w, k):
+        out = real(x, w, k)
+        calls.append(out[1])
+        return out
+
+    monkeypatch.setattr(ref_ops, "route", spy)
+    idx = _index(ds)
+    key = sorted(runs)[0]
+    ids, res = runs[key]
+    seq = torch.tensor(list(ids) + res.tokens)
+    model.target(seq, torch.arange(seq.shape[0]))
+    assert len(calls) == 7  # one router call per MoE layer, in layer order
+    got = ds.distinct_experts.isel(request=idx[key])
+    for li, layer_ids in enumerate(calls):
+        gen = layer_ids[len(ids):].tolist()
+        for r in range(1, 9):
+            assert float(got[li, r - 1]) == _brute_distinct(gen, r), (li, r)
+        # broken variant: the prompt's last rows instead of the generated ones must differ
+        wrong = layer_ids[len(ids) - len(gen): len(ids)].tolist()
+        assert any(float(got[li, r - 1]) != _brute_distinct(wrong, r) for r in range(2, 9))
+    assert (ds.distinct_experts.sel(rows=1) == 4).all()  # top-4 routing
+
+
+def test_latencies(report):
+    _, ds, _ = report
+    for i in range(ds.sizes["request"]):
+        d = ds.isel(request=i)
+        n = int(d.n_rounds)
+        ends = d.round_end_s.values[:n]
+        assert (np.diff(ends) >= 0).all() and ends[-1] <= float(d.wall_s)
+        assert np.array_equal(d.round_latency_s.values[1:n], np.diff(ends))
+        assert math.isnan(float(d.round_latency_s[0]))
+        assert float(d.first_round_s) == ends[0]
+
+
+def test_summary_and_adaptive_vs_fixed(report):
+    out, ds, _ = report
+    md = (out / "summary.md").read_text()
+    html = (out / "summary.html").read_text()
+    assert "| adaptive − fixed-3 | 4 |" in md  # 2 prompts × 2 seeds paired
+    for name in ("chosen_depth", "accepted_length", "depth_acceptance", "tokens_per_round",
+                 "time_per_token", "distinct_experts"):
+        assert f"(plots/{name}.svg)" in md and (out / "plots" / f"{name}.svg").is_file()
+    assert html.count("<svg") == 6 and "adaptive − fixed-3" in html
+    assert sorted(p.name for p in out.iterdir()) == [NC_NAME, "plots", "summary.html",
+                                                     "summary.md"]
+    assert not list(out.parent.glob("r.tmp-*"))
+
+
+def test_interrupt_leaves_no_report(mini, two_prompts, tmp_path):
+    out = tmp_path / "r"
+
+    def stop(i, n, d):
+        assert (tmp_path / f"r.tmp-{os.getpid()}").is_dir()  # the loop writes there
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_acceptance(_spec(mini, two_prompts, out, seeds=(0,), depths=("3",)), stop)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failure_keeps_the_previous_report(mini, two_prompts, tmp_path, monkeypatch):
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "old.txt").write_text("previous report")
+
+    def boom(ds, folder):
+        raise RuntimeError("summary failed")
+
+    monkeypatch.setattr(acc_mod, "write_summary", boom)
+    spec = _spec(mini, two_prompts, out, seeds=(0,), depths=("3",), max_new_tokens=2,
+                 force=True)
+    with pytest.raises(RuntimeError, match="summary failed"):
+        run_acceptance(spec)
+    assert [p.name for p in tmp_path.iterdir()] == ["r"]
+    assert (out / "old.txt").read_text() == "previous report"
+
+
+def test_prompt_truncation_keeps_the_last_tokens(mini, two_prompts):
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
+    full = load_prompts(two_prompts, tok, 10**6)
+    cut = load_prompts(two_prompts, tok, 7)
+    for f, c in zip(full, cut, strict=True):
+        assert c.ids == f.ids[-7:] and c.full_tokens == len(f.ids) > 7
+
+
+def test_runtime_backend_matches_the_engine(mini, tmp_path):
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.engine import Engine
+    from reference.depth import FixedDepth
+
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text(json.dumps({"id": "ids", "prompt_ids": list(range(40, 52))}) + "\n")
+    out = tmp_path / "r"
+    run_acceptance(_spec(mini, prompts, out, seeds=(2,), depths=("2",), max_new_tokens=6,
+                         backend="runtime", ops="twins"))
+    ds = xr.load_dataset(out / NC_NAME, engine="scipy")
+    ck = load_checkpoint(mini)
+    rcfg = RuntimeConfig(ops="twins", max_positions=12 + 6 + 8, policy=FixedDepth(2))
+    res = Engine.from_checkpoint(mini, rcfg).generate(
+        GenerationRequest(tuple(range(40, 52)), 6, ck.cfg.sampling, 2), on_round=lambda r: None)
+    assert ds.attrs["backend"] == "runtime" and ds.attrs["routing_precision"] == "bf16-fold"
+    assert int(ds.new_tokens[0]) == len(res.tokens) and int(ds.n_rounds[0]) == len(res.rounds)
+    for k, r in enumerate(res.rounds):
+        assert int(ds.accepted_drafts[0, k]) == r.accepted
+        assert [int(t) for t in ds.draft_token[0, k, : len(r.drafts)]] == [
+            d.token for d in r.drafts]
+        assert [float(p) for p in ds.draft_prob[0, k, : len(r.drafts)]] == [
+            d.prob for d in r.drafts]
