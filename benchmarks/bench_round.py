@@ -39,10 +39,10 @@ def timed_request(eng: Engine, req: GenerationRequest) -> tuple[float, object]:
     """Wall time of the decode loop (prefill, state setup and capture excluded)."""
     inner, box = eng._loop, {}
 
-    def loop(st, program, on_round):
+    def loop(st, program, *rest):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        inner(st, program, on_round)
+        inner(st, program, *rest)
         torch.cuda.synchronize()
         box["t"] = time.perf_counter() - t0
 

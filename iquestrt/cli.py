@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "mini"
+
 EXIT_USAGE = 2
 
 
@@ -60,7 +62,9 @@ def _build() -> argparse.ArgumentParser:
         description="Generate with speculative decoding (recursive MTP draft, rejection "
         "sampling). Prints the new tokens and, per round, drafted/accepted counts.",
     )
-    g.add_argument("--checkpoint", type=Path, required=True, help="checkpoint directory")
+    g.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+                   help="checkpoint directory (default: the shipped trained mini model, "
+                   "models/mini)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", type=_int_list, help="prompt token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
@@ -93,8 +97,14 @@ def _build() -> argparse.ArgumentParser:
         "--ring-pad", type=int, default=64, help="runtime: ring slots beyond each window"
     )
     g.add_argument(
-        "--draft-depth", type=int, default=3, help="fixed MTP draft depth, 0 = no speculation"
+        "--draft-depth", default="3",
+        help="fixed MTP draft depth 0 … 7 (0 = no speculation), or 'adaptive' (the checkpoint's "
+        "depth_policy.json, else an unfitted default rule)",
     )
+    g.add_argument("--graphs", action="store_true",
+                   help="runtime on a GPU: replay one CUDA graph per round")
+    g.add_argument("--stream", action="store_true",
+                   help="print tokens (text with a tokenizer) as they are decoded")
     g.add_argument("--quiet", action="store_true", help="no progress display")
 
     rp = sub.add_parser("report", help="decode a prompt set and write a report")

@@ -53,6 +53,8 @@ from reference.depth import DraftInfo
 from reference.rng import Purpose
 from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, emit
 
+STREAM_TOKENS = 32  # a streaming request's host reads the log about every this many tokens
+
 
 class EngineError(RuntimeError):
     """A fault during a request (readiness, non-finite logits, bad token); names where."""
@@ -168,11 +170,14 @@ class Engine:
 
     # --- generation ----------------------------------------------------------------------------
     def generate(
-        self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None
+        self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         """Prefill on the host, then rounds on device state (iquestrt/round.py), launched
-        eagerly or as graph replays (RuntimeConfig.graphs); the host reads the result log every
-        round when on_round watches, else every RuntimeConfig.sync_rounds rounds."""
+        eagerly or as graph replays (RuntimeConfig.graphs). The host reads the result log every
+        round when on_round watches; when streaming (on_tokens), about every STREAM_TOKENS
+        tokens, handing on_tokens the new tokens — it returns False to cancel the request
+        (stop_reason "cancelled"); else every RuntimeConfig.sync_rounds rounds."""
         self.validate(req)
         dev, rows = self.w.device, self.rcfg.max_width
         cap = len(req.prompt_ids) + req.max_new_tokens + rows
@@ -185,7 +190,7 @@ class Engine:
             if self._emit(st, [first]):
                 return st.result
             st.tokens.append(first)
-            self._decode(st, hidden, on_round)
+            self._decode(st, hidden, on_round, on_tokens)
             return st.result
         except EngineError:
             self.ops.reset()
@@ -217,9 +222,9 @@ class Engine:
                 self._check("prefill", st, lg, e - s0, False)
         return tok, hidden
 
-    def _decode(self, st: Session, hidden: torch.Tensor, on_round) -> None:
+    def _decode(self, st: Session, hidden: torch.Tensor, on_round, on_tokens=None) -> None:
         program = self._prepare(st, hidden)
-        self._loop(st, program, on_round)
+        self._loop(st, program, on_round, on_tokens)
 
     def _prepare(self, st: Session, hidden: torch.Tensor):
         """Device state from the prefill, and the round program (captured when graphs are on):
@@ -234,20 +239,32 @@ class Engine:
         st.device = ds
         return self.programs.get(self, ds, req, self.rcfg.policy)
 
-    def _loop(self, st: Session, program, on_round) -> None:
+    def _loop(self, st: Session, program, on_round, on_tokens=None) -> None:
         """The decode clock: launch rounds, read the log, stop at the request's end."""
         ds = st.device
-        every = 1 if on_round is not None or ds.tokens.device.type == "cpu" else (
-            self.rcfg.sync_rounds)
-        read = 0
+        if on_round is not None or ds.tokens.device.type == "cpu":
+            every = 1
+        elif on_tokens is not None:
+            every = max(1, STREAM_TOKENS // (self.rcfg.policy.max_depth + 1))
+        else:
+            every = self.rcfg.sync_rounds
+        read, sent = 0, 0
         while True:
             for _ in range(every):
                 program()
             log = read_log(ds, read, st.flags)
+            done = False
             for i in range(log.head.shape[0]):
                 if self._take(st, log, i, on_round):
-                    self._finish(st)
-                    return
+                    done = True
+                    break
+            if on_tokens is not None and len(st.result.tokens) > sent:
+                new, sent = st.result.tokens[sent:], len(st.result.tokens)
+                if on_tokens(new) is False and not done:
+                    st.result.stop_reason, done = "cancelled", True
+            if done:
+                self._finish(st)
+                return
             read += log.head.shape[0]
             if log.fault[0]:
                 raise EngineError(self._fault_message(log))

@@ -14,9 +14,9 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from reference.checkpoint import load_checkpoint
-from reference.depth import FixedDepth
+from reference.depth import policy_from_spec
 from reference.model import ReferenceModel
-from reference.speculative import GenerationRequest, GenerationResult, generate
+from reference.speculative import GenerationRequest, GenerationResult, ReferenceGenerator
 
 
 def _tokenizer(checkpoint: Path):
@@ -115,7 +115,7 @@ class _Ticker:
             self.console.print(f"decoded {min(self.done, self.total)}/{self.total} tokens")
 
 
-def _runtime(a, ckpt, req):
+def _runtime(a, ckpt, req, policy):
     """The IQuestRT engine for `--backend runtime`, imported late: on a CPU the Triton
     interpreter must be on before the first kernels module is imported."""
     if a.precision is not None:
@@ -125,20 +125,41 @@ def _runtime(a, ckpt, req):
     ops = a.ops if a.ops != "auto" else ("kernels" if gpu else "twins")
     if ops == "kernels" and not gpu:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if a.graphs and not gpu:
+        raise ValueError("--graphs: CUDA graphs need a GPU (none is visible)")
     from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
     from iquestrt.engine import Engine
-    from iquestrt.weights import from_checkpoint
 
     rcfg = RuntimeConfig(
         ops=ops,
         device="cuda" if gpu else "cpu",
         ring_pad=a.ring_pad,
         max_positions=len(req.prompt_ids) + req.max_new_tokens + KERNEL_WIDTH,
-        policy=FixedDepth(a.draft_depth),
+        policy=policy,
+        graphs=a.graphs,
     )
-    engine = Engine(from_checkpoint(ckpt, rcfg.device, rcfg.max_positions), rcfg)
+    engine = Engine.from_checkpoint(ckpt.directory, rcfg)
     engine.validate(req)
-    return engine.generate
+    return lambda req, on_tokens: engine.generate(req, on_tokens=on_tokens)
+
+
+class _Stream:
+    """Prints new tokens as they arrive (text through the tokenizer when there is one)."""
+
+    def __init__(self, tokenizer, enabled: bool):
+        self.tok, self.enabled, self.ids, self.text = tokenizer, enabled, [], ""
+
+    def __call__(self, new: list[int]) -> None:
+        if not self.enabled:
+            return
+        self.ids += new
+        if self.tok is None:
+            sys.stdout.write(" ".join(map(str, new)) + " ")
+        else:
+            text = self.tok.decode(self.ids)
+            sys.stdout.write(text[len(self.text):])
+            self.text = text
+        sys.stdout.flush()
 
 
 def generate_from_args(a) -> int:
@@ -147,26 +168,40 @@ def generate_from_args(a) -> int:
     tokenizer = _tokenizer(a.checkpoint)
     req = _request(a, cfg, tokenizer)
     req.validate(cfg.target.vocab_size, cfg.target.max_position_embeddings)
-    if not 0 <= a.draft_depth <= cfg.draft.num_draft_slots:
-        raise ValueError(
-            f"--draft-depth: must be in [0, {cfg.draft.num_draft_slots}], got {a.draft_depth}"
-        )
+    try:
+        policy = policy_from_spec(str(a.draft_depth), a.checkpoint)
+    except ValueError as e:
+        raise ValueError(f"--draft-depth: {e}") from None
+    if policy.max_depth > cfg.draft.num_draft_slots:
+        raise ValueError(f"--draft-depth: must be in [0, {cfg.draft.num_draft_slots}] or "
+                         f"'adaptive', got {a.draft_depth}")
+    err = Console(stderr=True)
+    stream = _Stream(tokenizer, a.stream)
     if getattr(a, "backend", "reference") == "runtime":
-        run = _runtime(a, ckpt, req)
+        runtime = _runtime(a, ckpt, req, policy)
+
+        def run(req, sink):
+            return runtime(req, on_tokens=sink)
     else:
         model = ReferenceModel(cfg, ckpt.dequantized(), precision=a.precision or "bf16")
 
-        def run(req, on_round):
-            return generate(model, req, depth=a.draft_depth, on_round=on_round)
+        def run(req, sink):
+            return ReferenceGenerator(model, policy).generate(req, on_tokens=sink)
 
-    err = Console(stderr=True)
     t0 = time.perf_counter()
-    with _Ticker(err, req.max_new_tokens, a.quiet) as ticker:
-        res = run(req, on_round=lambda r: ticker.advance(len(r.emitted)))
+    with _Ticker(err, req.max_new_tokens, a.quiet or a.stream) as ticker:
+        def sink(new):
+            ticker.advance(len(new))
+            stream(new)
+
+        res = run(req, sink)
     seconds = time.perf_counter() - t0
-    print(" ".join(map(str, res.tokens)))
-    if tokenizer is not None:
-        print(tokenizer.decode(res.tokens))
+    if a.stream:
+        print()
+    else:
+        print(" ".join(map(str, res.tokens)))
+        if tokenizer is not None:
+            print(tokenizer.decode(res.tokens))
     sys.stdout.flush()
-    _summary(err, res, seconds, a.draft_depth)
+    _summary(err, res, seconds, policy.max_depth)
     return 0

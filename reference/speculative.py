@@ -118,8 +118,11 @@ class ReferenceGenerator:
         self.policy = policy or FixedDepth(0)
 
     def generate(
-        self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None
+        self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ) -> GenerationResult:
+        """on_tokens (streaming) receives every emitted token once, in order: the first token,
+        then each round's (trimmed) emitted tokens."""
         m_ = self.model
         t = m_.cfg.target
         req.validate(t.vocab_size, t.max_position_embeddings)
@@ -132,7 +135,10 @@ class ReferenceGenerator:
             out.logits[-1:], req.sampling, req.seed, torch.tensor([n]), Purpose.TARGET_SAMPLE
         )
         result = GenerationResult(tokens=[])
-        if emit(result, req, [int(first)]):
+        done = emit(result, req, [int(first)])
+        if on_tokens is not None:
+            on_tokens([int(first)])
+        if done:
             return result
         tokens.append(int(first))
         while True:
@@ -162,6 +168,8 @@ class ReferenceGenerator:
             result.rounds.append(rec)
             if on_round is not None:
                 on_round(rec)
+            if on_tokens is not None and rec.emitted:
+                on_tokens(list(rec.emitted))
             if done:  # budget/stop trimmed tokens must not stay cached either
                 last = len(req.prompt_ids) + len(result.tokens) - 1
                 tcache.truncate(min(tcache.next_position, last))

@@ -219,3 +219,21 @@ def test_prompt_text_uses_the_checkpoints_tokenizer(tmp_path, capsys):
     want = generate(model, GenerationRequest(tuple(ids), 6, greedy, 0)).tokens
     assert [int(x) for x in out[0].split()] == want
     assert out[1] == tok.decode(want)
+
+
+def test_generate_defaults_to_the_mini_model_and_streams_text(capsys):
+    """No --checkpoint: the shipped mini model; --stream prints the decoded text as it comes,
+    equal to the text of the same request without streaming (per backend: the runtime rounds
+    like --precision matched, not like the reference's default bf16); --draft-depth adaptive is
+    accepted."""
+    base = ["generate", "--prompt", "def parse_args(", "--max-new-tokens", "16",
+            "--temperature", "0", "--quiet", "--draft-depth", "adaptive"]
+    for backend in ("reference", "runtime"):
+        assert main(base + ["--backend", backend]) == 0
+        plain = capsys.readouterr().out.splitlines()
+        assert len(plain[0].split()) == 16
+        assert main(base + ["--backend", backend, "--stream"]) == 0
+        streamed = capsys.readouterr().out
+        assert streamed.rstrip("\n") == "\n".join(plain[1:]), backend
+    assert main(base + ["--draft-depth", "9"]) == 2
+    assert "--draft-depth" in capsys.readouterr().err

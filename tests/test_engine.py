@@ -404,3 +404,25 @@ def test_adaptive_depth_runs_3_to_7_and_equals_the_reference():
     assert min(depths) >= 3 and max(depths) <= 7 and len(set(depths)) > 1, depths
     always = AdaptiveDepth(weights=(row,) * 4, threshold=2.0**-20)
     assert {len(r.drafts) for r in _engine(ck, policy=always).generate(req).rounds} == {7}
+
+
+def test_streaming_delivers_every_token_once_and_can_cancel(corr):
+    """on_tokens sees the request's tokens in order, each once, and the result equals a
+    non-streaming run; returning False cancels: the request ends early with stop_reason
+    "cancelled", the caches hold exactly the delivered tokens' positions."""
+    req = GenerationRequest(PROMPT, 40, SAMPLING, 13)
+    want = _engine(corr).generate(req)
+    got: list[int] = []
+    eng = _engine(corr)
+    res = eng.generate(req, on_tokens=got.extend)
+    assert got == res.tokens == want.tokens and rounds_key(res) == rounds_key(want)
+    seen: list[int] = []
+
+    def cancel_after_10(new):
+        seen.extend(new)
+        return len(seen) < 10
+
+    res = eng.generate(req, on_tokens=cancel_after_10)
+    assert res.stop_reason == "cancelled" and 10 <= len(res.tokens) < 40
+    assert res.tokens == want.tokens[: len(res.tokens)] == seen
+    assert eng.session.caches.target_len == len(PROMPT) + len(res.tokens) - 1
