@@ -20,6 +20,7 @@ import time  # noqa: E402
 
 from negative_controls import (  # noqa: E402
     combine_controls,
+    engine_controls,
     readiness_controls,
     rejection_controls,
     ring_controls,
@@ -36,6 +37,7 @@ ALL = (
     + combine_controls.CONTROLS
     + readiness_controls.CONTROLS
     + router_controls.CONTROLS
+    + engine_controls.CONTROLS
 )
 
 

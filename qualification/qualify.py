@@ -21,14 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qualification import (
+    acceptance_gate,
     bitexact_gate,
     distribution,
+    engine_cache_gate,
     goldens,
     readiness_gate,
     ring_gate,
     runtime_gate,
     sampler_gate,
     stability,
+    width_gate,
 )
 from qualification.gates import (
     FAIL,
@@ -124,6 +127,27 @@ def gate_bitexact_runtime(q: QualifyConfig, models) -> GateResult:
                       "exact", evidence)
 
 
+def gate_width(q: QualifyConfig, models) -> GateResult:
+    """The twins engine at width 8 (padding rows) == at the exact width 4, bit for bit."""
+    ok, margin, evidence = width_gate.run()
+    return GateResult("3c padded vs exact width", PASS if ok else FAIL, margin, evidence)
+
+
+def gate_engine_caches(q: QualifyConfig, models) -> GateResult:
+    """After every round the engine's caches equal caches that never saw a rejected row."""
+    ok, margin, evidence = engine_cache_gate.run()
+    return GateResult("4b engine cache settlement", PASS if ok else FAIL, margin, evidence)
+
+
+def gate_acceptance(q: QualifyConfig, models) -> GateResult:
+    """Mean accepted length and per-depth acceptance on the mini model vs the stored baseline."""
+    try:
+        ok, margin, evidence = acceptance_gate.run()
+    except FileNotFoundError as e:
+        return GateResult("7 acceptance", FAIL, "-", [str(e)])
+    return GateResult("7 acceptance", PASS if ok else FAIL, margin, evidence)
+
+
 def gate_readiness(q: QualifyConfig, models) -> GateResult:
     """The readiness ring's schedule, every interleaving of small cases (kernels/readiness.py)."""
     ok, evidence = readiness_gate.run()
@@ -188,10 +212,12 @@ GATES: tuple[Callable, ...] = (
     gate_stability,
     gate_goldens,
     gate_bitexact_runtime,
+    gate_width,
     gate_rings,
+    gate_engine_caches,
     gate_distribution,
     gate_sampler,
-    _not_built("7 acceptance", "needs the trained mini model (issue 6)"),
+    gate_acceptance,
     gate_readiness,
 )
 

@@ -1,0 +1,164 @@
+"""Engine-level mutants on the twins engine (trained mini model), each applied by patching inside
+a context manager that restores on exit; iquestrt/ itself is never edited.
+
+  draft_depth_state_not_advanced → gate 7 (acceptance). Depths ≥ 2 of a round are fed depth 1's
+    input row — the draft y_1 and depth 0's hidden — at their own (advancing) positions: the
+    recursive state (token, hidden) is not advanced. Every draft is still sampled from the
+    served q that verification reads, so outputs keep the target's law (greedy tokens are
+    unchanged, tested): only acceptance falls. Patched per round on the engine's DraftModel:
+    the round's first draft forward is depth 0, the second depth 1, the rest depths ≥ 2.
+  rollback_skipped_after_ring_wrap → gate 4b (engine cache settlement). TwinOps.rollback does
+    nothing on a ring once a write has gone past its last slot (written > capacity): rejected
+    rows keep their labels.
+  stale_rope_position_after_rollback → gate 4b. After a round with rejected drafts, the next
+    round's RoPE angles use the unsettled position (m + d + 1 instead of m + a + 1): every
+    position given to TwinOps.qk_rope is shifted by the d − a rejected rows, while cache slots
+    and masks use the right positions. The K rows written then carry the wrong rotation.
+  padding_row_leaks_into_live_rows → gate 3c (padded vs exact width). Layer 0's attention tail
+    averages the last live row's residual with the next row's — a padding row whenever the
+    buffer is wider than the live rows (padding embeds token 0, so the leak is finite and no
+    fault fires). An exact-width buffer has no such row.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from iquestrt.ops import TwinOps
+from iquestrt.round import RoundProgram
+from negative_controls.control import Control
+from qualification import acceptance_gate, engine_cache_gate, width_gate
+
+
+@contextmanager
+def _patched(owner, **attrs):
+    real = {name: getattr(owner, name) for name in attrs}
+    for name, fn in attrs.items():
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(owner, name, fn)
+
+
+@contextmanager
+def draft_depth_state_not_advanced():
+    real_call = RoundProgram.__call__
+
+    def call(self):
+        draft = self.e.draft
+        real_forward = draft.forward_rows
+        inputs = []  # (tokens [R], hprev [R, H]) of each draft forward of this round
+
+        def forward_rows(tokens, hprev, *rest, **kw):
+            inputs.append((tokens, hprev))
+            if len(inputs) >= 3:  # depth ≥ 2: depth 1's input row again
+                tokens, hprev = inputs[1]
+            return real_forward(tokens, hprev, *rest, **kw)
+
+        draft.forward_rows = forward_rows  # instance attribute, shadows the method
+        try:
+            real_call(self)
+        finally:
+            del draft.forward_rows
+
+    with _patched(RoundProgram, __call__=call):
+        yield
+
+
+@contextmanager
+def rollback_skipped_after_ring_wrap():
+    real = TwinOps.rollback
+
+    def rollback(self, cache, keep, written):
+        if cache.layout.ring and int(written) > cache.layout.capacity:
+            return
+        real(self, cache, keep, written)
+
+    with _patched(TwinOps, rollback=rollback):
+        yield
+
+
+@contextmanager
+def stale_rope_position_after_rollback():
+    real_call, real_rope = RoundProgram.__call__, TwinOps.qk_rope
+    shift = [0]  # rejected rows of the previous round, while a round runs
+
+    def call(self):
+        st = self.st
+        done = int(st.round[0])
+        if done > 0:
+            _, a, _, d, _ = (int(x) for x in st.head[done - 1])  # (m, a, bonus, d, emitted)
+            shift[0] = d - a
+        try:
+            real_call(self)
+        finally:
+            shift[0] = 0
+
+    def qk_rope(self, parts, q_norm, k_norm, positions, *rest, **kw):
+        stale = torch.where(positions >= 0, positions + shift[0], positions)
+        return real_rope(self, parts, q_norm, k_norm, stale, *rest, **kw)
+
+    with _patched(RoundProgram, __call__=call), _patched(TwinOps, qk_rope=qk_rope):
+        yield
+
+
+@contextmanager
+def padding_row_leaks_into_live_rows():
+    real = TwinOps.attn_tail
+
+    def attn_tail(self, parts, base, *args, **kw):
+        n, rows = args[2].n, base.shape[0]  # args: attn_out_norm, ffn_norm, live, flag
+        if kw.get("router_w") is None and n < rows:  # layer 0: base is the raw residual x
+            base = base.clone()
+            base[n - 1] = ((base[n - 1].float() + base[n].float()) / 2).to(base.dtype)
+        return real(self, parts, base, *args, **kw)
+
+    with _patched(TwinOps, attn_tail=attn_tail):
+        yield
+
+
+def _gate(run, mutant):
+    def gate(mutated: bool):
+        if not mutated:
+            ok, _, ev = run()
+            return ok, ev
+        with mutant():
+            ok, _, ev = run()
+        return ok, ev
+
+    return gate
+
+
+CONTROLS = (
+    Control(
+        "draft_depth_state_not_advanced",
+        "7 acceptance",
+        "draft depths >= 2 are fed depth 1's input (y_1 and depth 0's hidden) at their own "
+        "positions: the recursive draft state is not advanced (acceptance-only)",
+        _gate(acceptance_gate.run, draft_depth_state_not_advanced),
+    ),
+    Control(
+        "rollback_skipped_after_ring_wrap",
+        "4b engine cache settlement",
+        "KV rollback does nothing on a ring once a write has gone past its last slot",
+        _gate(engine_cache_gate.run, rollback_skipped_after_ring_wrap),
+    ),
+    Control(
+        "stale_rope_position_after_rollback",
+        "4b engine cache settlement",
+        "after a round with rejections, the next round's RoPE positions come from the unsettled "
+        "m + d + 1 instead of m + a + 1 (slots and masks right)",
+        _gate(engine_cache_gate.run, stale_rope_position_after_rollback),
+    ),
+    Control(
+        "padding_row_leaks_into_live_rows",
+        "3c padded vs exact width",
+        "layer 0's attention tail averages the last live row's residual with the next buffer "
+        "row (a padding row whenever the buffer is wider than the live rows)",
+        _gate(width_gate.run, padding_row_leaks_into_live_rows),
+    ),
+)
