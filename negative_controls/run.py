@@ -20,6 +20,7 @@ import time  # noqa: E402
 
 from negative_controls import (  # noqa: E402
     combine_controls,
+    e2e_controls,
     engine_controls,
     readiness_controls,
     rejection_controls,
@@ -38,6 +39,7 @@ ALL = (
     + readiness_controls.CONTROLS
     + router_controls.CONTROLS
     + engine_controls.CONTROLS
+    + e2e_controls.CONTROLS
 )
 
 

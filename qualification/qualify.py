@@ -24,6 +24,7 @@ from qualification import (
     acceptance_gate,
     bitexact_gate,
     distribution,
+    distribution_e2e,
     engine_cache_gate,
     goldens,
     readiness_gate,
@@ -198,6 +199,13 @@ def gate_distribution(q: QualifyConfig, models) -> GateResult:
     )
 
 
+def gate_distribution_e2e(q: QualifyConfig, models) -> GateResult:
+    """The mini model's first emitted tokens under speculation vs plain target sampling."""
+    g = distribution_e2e.E2EConfig(n=120 if q.quick else 400)
+    ok, margin, evidence = distribution_e2e.run(g)
+    return GateResult("5b end-to-end first tokens", PASS if ok else FAIL, margin, evidence)
+
+
 def _not_built(name: str, why: str) -> Callable:
     def gate(q, models) -> GateResult:
         return GateResult(name, NOT_BUILT, "-", [why])
@@ -216,6 +224,7 @@ GATES: tuple[Callable, ...] = (
     gate_rings,
     gate_engine_caches,
     gate_distribution,
+    gate_distribution_e2e,
     gate_sampler,
     gate_acceptance,
     gate_readiness,
