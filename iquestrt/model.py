@@ -62,6 +62,7 @@ class TargetModel:
         self.w, self.ops, self.width = weights, ops, width
         self.t = weights.cfg.target
         self.prefetcher = prefetcher
+        self.layer_trace: list | None = None  # qualification: (layer, xn [n, H] FP32 on the CPU)
 
     def forward(self, tokens: torch.Tensor, start: int, caches, flags: torch.Tensor):
         """tokens [n] at positions start … start+n−1 (n ≤ width) → (logits [R, V] FP32,
@@ -84,6 +85,8 @@ class TargetModel:
         last = len(w.layers) - 1
         for layer in w.layers:
             i, aw = layer.index, layer.attn
+            if self.layer_trace is not None:  # host-known rows only (prefill, not a round)
+                self.layer_trace.append((i, xn[: live.known].float().cpu()))
             if self.prefetcher is not None:
                 self.prefetcher.maybe_prefetch(i, xn, live)
             o = attention_block(ops, t, aw, xn, pos, live, caches.target[i], layer.rope)

@@ -18,7 +18,7 @@ Per-layer comparison is not built yet (the engine exposes only the logits).
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,57 @@ def _kl(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(missing, torch.full_like(terms[:, 0], float("inf")), terms.sum(-1))
 
 
+WIDTHS = (4, 6, 8)  # verification widths of the teacher-forced passes
+
+
+def _per_layer(engine, ref, tokens: list[int]) -> list[tuple[int, float, float, int]]:
+    """Each layer's attention input xn, runtime (teacher-forced prefill in chunks of its width)
+    vs the FP32 reference: (layer, max rel, rms rel, worst position)."""
+    engine.target.layer_trace, ref.layer_trace = [], []
+    try:
+        engine.prefill_logits(tokens)
+        ref.target(torch.tensor(tokens), torch.arange(len(tokens)), None)
+        got: dict[int, list[torch.Tensor]] = {}
+        for i, x in engine.target.layer_trace:
+            got.setdefault(i, []).append(x)
+        want = dict(ref.layer_trace)
+    finally:
+        engine.target.layer_trace = ref.layer_trace = None
+    out = []
+    for i in sorted(want):
+        a, b = torch.cat(got[i]).double(), want[i].double()
+        d = (a - b).abs()
+        out.append((i, float(d.max() / b.abs().max()), float(d.norm() / b.norm()),
+                    int(d.max(-1).values.argmax())))
+    return out
+
+
+def _widths_and_layers(engine, refs, cfg, g, ops, others, ok, evidence):
+    """Teacher-forced passes at every verification width (bit-exact vs matched for the twins),
+    then the per-layer comparison with the FP32 reference (reported; the logits decide)."""
+    gen = torch.Generator().manual_seed(g.seed + 7)
+    toks = torch.randint(0, cfg.target.vocab_size, (g.length,), generator=gen)
+    want = refs["matched"].target(toks, torch.arange(g.length), None).logits
+    engines = {engine.rcfg.max_width: engine, **others}
+    for w in WIDTHS:
+        got = engines[w].prefill_logits(toks.tolist())[0].cpu()
+        if ops == "twins":
+            same = torch.equal(got, want)
+            ok &= same
+            evidence.append(f"teacher-forced width {w}: {'bit-exact' if same else 'NOT bit-exact'}"
+                            " vs matched")
+        else:
+            evidence.append(f"teacher-forced width {w}: max |Δlogit| vs matched "
+                            f"{float((got - want).abs().max()):.3e} (reported)")
+    layers = _per_layer(engine, refs["fp32"], toks.tolist())
+    worst = max(layers, key=lambda r: r[2])
+    evidence.append("per layer vs FP32 (attention input xn, rms rel): " + ", ".join(
+        f"L{i} {rms:.2e}" for i, _, rms, _ in layers))
+    evidence.append(f"worst layer {worst[0]}: rms rel {worst[2]:.2e}, max rel {worst[1]:.2e} at "
+                    f"position {worst[3]}")
+    return ok, evidence
+
+
 def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
     """(ok, margin text, evidence)."""
     from iquestrt.config import RuntimeConfig
@@ -62,6 +113,8 @@ def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
         params = ckpt.dequantized()
         rcfg = RuntimeConfig(ops=ops, device="cuda" if gpu else "cpu", ring_pad=8)
         engine = Engine.from_checkpoint(ckpt_dir, rcfg)
+        ckpt_dir_engines = {w: Engine.from_checkpoint(ckpt_dir, replace(rcfg, max_width=w))
+                            for w in WIDTHS if w != rcfg.max_width}
     cfg = ckpt.cfg
     refs = {p: ReferenceModel(cfg, params, p) for p in ("fp32", "bf16", "matched")}
     # twins: the same composition of the same twins as "matched" → bit-exact (a row of the
@@ -102,6 +155,7 @@ def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
         ok &= s_ok
         band_worst = max(band_worst, s_worst)
         evidence += [f"prompt {i} vs FP32 within the stability band: " + e for e in s_ev]
+    ok, evidence = _widths_and_layers(engine, refs, cfg, g, ops, ckpt_dir_engines, ok, evidence)
     ok &= matched_ok
     margin = ("bit-exact vs matched; " if row is not None and matched_ok else "") + (
         f"{band_worst:.0%} of the FP32 band")

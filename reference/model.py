@@ -134,6 +134,7 @@ class ReferenceModel:
     def __init__(self, cfg: ModelConfig, params: dict[str, torch.Tensor], precision: str = "fp32"):
         self.cfg = cfg
         self.precision = Precision.of(precision)
+        self.layer_trace: list | None = None  # set to [] to collect (layer, xn [R, H] FP32)
         specs = all_specs(cfg)
         missing = sorted(set(specs) - set(params))
         if missing:
@@ -277,6 +278,8 @@ class ReferenceModel:
             window = None if full else t.sliding_window
             theta = t.rope_theta if full else t.swa_rope_theta
             xn = ops.rms_norm(x, p[pre + "attention_norm.weight"], eps)
+            if self.layer_trace is not None:  # qualification: each layer's attention input
+                self.layer_trace.append((i, xn.float()))
             a = self._attn(pre, xn, positions, cache, i, window, theta)
             an = ops.rms_norm(a, p[pre + "attn_out_norm.weight"], eps)
             if i == 0:  # sandwich norms, raw residual

@@ -129,3 +129,26 @@ def test_runtime_gate_passes_and_fails_a_runtime_without_sinks(monkeypatch):
     monkeypatch.setattr(rt_ops.TwinOps, "attention", no_sink)
     ok, margin, evidence = runtime_gate.run(cfg)
     assert not ok and "NOT bit-exact" in evidence[0], evidence
+
+
+def test_per_layer_report_localizes_a_defect(tmp_path):
+    """runtime_gate._per_layer: the runtime's attention inputs vs the FP32 reference, per layer.
+    Scaling layer 4's attention_norm weight in the runtime by 1.5 leaves layers 0–3 as they were
+    and makes layer 4's input the first with a large error (the report names where it starts)."""
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.engine import Engine
+    from qualification.runtime_gate import _per_layer
+    from reference.checkpoint import load_checkpoint, make_synthetic_checkpoint
+    from reference.model import ReferenceModel
+
+    make_synthetic_checkpoint(tmp_path / "t", "tiny", 0, fmt="fp8")
+    ck = load_checkpoint(tmp_path / "t")
+    eng = Engine.from_checkpoint(tmp_path / "t", RuntimeConfig(ring_pad=8))
+    ref = ReferenceModel(ck.cfg, ck.dequantized(), "fp32")
+    toks = list(range(3, 23))
+    base = _per_layer(eng, ref, toks)
+    assert [r[0] for r in base] == list(range(8)) and base[0][2] < 1e-2
+    eng.w.layers[4].attn.attention_norm.mul_(1.5)
+    bad = _per_layer(eng, ref, toks)
+    assert [r[2] for r in bad[:4]] == [r[2] for r in base[:4]]
+    assert bad[4][2] > 3 * base[4][2] and bad[4][2] > 0.3
