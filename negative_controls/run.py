@@ -22,6 +22,7 @@ from negative_controls import (  # noqa: E402
     combine_controls,
     e2e_controls,
     engine_controls,
+    prefetch_controls,
     readiness_controls,
     rejection_controls,
     ring_controls,
@@ -40,6 +41,7 @@ ALL = (
     + router_controls.CONTROLS
     + engine_controls.CONTROLS
     + e2e_controls.CONTROLS
+    + prefetch_controls.CONTROLS
 )
 
 

@@ -27,6 +27,7 @@ from qualification import (
     distribution_e2e,
     engine_cache_gate,
     goldens,
+    prefetch_gate,
     readiness_gate,
     ring_gate,
     runtime_gate,
@@ -134,6 +135,12 @@ def gate_width(q: QualifyConfig, models) -> GateResult:
     return GateResult("3c padded vs exact width", PASS if ok else FAIL, margin, evidence)
 
 
+def gate_prefetch(q: QualifyConfig, models) -> GateResult:
+    """Expert prefetch on vs off on the mini model: the same bits."""
+    ok, margin, evidence = prefetch_gate.run()
+    return GateResult("3d prefetch on vs off", PASS if ok else FAIL, margin, evidence)
+
+
 def gate_engine_caches(q: QualifyConfig, models) -> GateResult:
     """After every round the engine's caches equal caches that never saw a rejected row."""
     ok, margin, evidence = engine_cache_gate.run()
@@ -221,6 +228,7 @@ GATES: tuple[Callable, ...] = (
     gate_goldens,
     gate_bitexact_runtime,
     gate_width,
+    gate_prefetch,
     gate_rings,
     gate_engine_caches,
     gate_distribution,

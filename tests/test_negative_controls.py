@@ -111,3 +111,12 @@ def test_patches_are_undone_when_the_gate_raises():
             raise RuntimeError("gate crashed")
     assert before == (ops.attention, ka.attention_combine, RingPolicy.rearm_slot,
                       TwinOps.attn_tail)
+
+
+def test_prefetch_overriding_routing_is_caught_by_the_on_off_gate():
+    from negative_controls import prefetch_controls
+
+    ok, evidence = prefetch_controls._gate(False)
+    assert ok, evidence
+    ok, evidence = prefetch_controls._gate(True)
+    assert not ok and any("differ" in e for e in evidence), evidence
