@@ -118,6 +118,18 @@ def _build() -> argparse.ArgumentParser:
     from iquestrt.report.args import add_acceptance_arguments
 
     add_acceptance_arguments(ra)
+
+    ex = sub.add_parser(
+        "experiment",
+        help="paired performance experiment: control vs candidate runtime settings",
+        description="Control and candidate (and with --aa a second control engine) alternate "
+        "over the same prompts and seeds, each request from the same prefill snapshot; writes "
+        "OUT/record.{json,md} with bootstrap intervals of the time-per-token and round-latency "
+        "ratios and the acceptance difference.",
+    )
+    from iquestrt.experiment.main import add_experiment_arguments
+
+    add_experiment_arguments(ex)
     return p
 
 
@@ -149,6 +161,12 @@ def _cmd_report(a) -> int:
     return run_from_args(a)
 
 
+def _cmd_experiment(a) -> int:
+    from iquestrt.experiment.main import run_from_args
+
+    return run_from_args(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build().parse_args(argv)
     handlers = {
@@ -156,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "convert": _cmd_convert,
         "generate": _cmd_generate,
         "report": _cmd_report,
+        "experiment": _cmd_experiment,
     }
     try:
         return handlers[args.command](args)
