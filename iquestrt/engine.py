@@ -197,8 +197,15 @@ class Engine:
             raise
 
     def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
-        """Target over the prompt, the draft over positions 1 … n−1 (each chunk of max_width
-        rows), the first token → (token, target hidden of the prompt [n, H])."""
+        """Target over the prompt, then the first token and the draft's prefill
+        → (token, target hidden of the prompt [n, H])."""
+        last_logits, hidden = self._prefill_target(st)
+        return self._finish_prefill(st, last_logits, hidden)
+
+    def _prefill_target(self, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target over the prompt in chunks of max_width rows → (last logits row [1, V],
+        target final hidden of the prompt [n, H]); the target caches hold positions 0 … n−1.
+        (iquestrt/snapshot.py restores this instead of running it.)"""
         n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
         hidden = []
         for c in range(0, n, rows):
@@ -207,14 +214,20 @@ class Engine:
             self._check("prefill", st, logits, chunk.shape[0], True)
             hidden.append(h[: chunk.shape[0]].clone())
         st.caches.settle_target(self.ops, n, n)
-        hidden = torch.cat(hidden)
         last = chunk.shape[0] - 1
-        s = self.ops.sample(logits[last : last + 1], st.req.sampling, st.req.seed,
+        return logits[last : last + 1], torch.cat(hidden)
+
+    def _finish_prefill(self, st: Session, last_logits: torch.Tensor, hidden: torch.Tensor
+                        ) -> tuple[int, torch.Tensor]:
+        """The first token from the last prompt row, then the draft over positions 1 … n−1
+        (row p: token at p, target hidden of p − 1), in chunks of max_width rows."""
+        n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
+        s = self.ops.sample(last_logits, st.req.sampling, st.req.seed,
                             torch.tensor([n], device=dev), Purpose.TARGET_SAMPLE, Live.of(1, dev))
         tok = self._token("prefill", s.tokens[0])
         if self.rcfg.policy.max_depth > 0:
             c = st.caches
-            for s0 in range(c.draft_next, n, rows):  # row p: token at p, target hidden of p − 1
+            for s0 in range(c.draft_next, n, rows):
                 e = min(s0 + rows, n)
                 toks = torch.tensor(st.tokens[s0:e], device=dev)
                 lg, _ = self.draft.forward(toks, hidden[s0 - 1 : e - 1], s0, c.draft)

@@ -37,10 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from iquestrt.cache import RuntimeCaches
 from iquestrt.engine import Engine, EngineError, Session
-from iquestrt.ops import Live
 from kernels.qk_rope import RopeTable
 from reference.kv_layout import EMPTY, LayerKV
-from reference.rng import Purpose
 from reference.speculative import GenerationRequest, GenerationResult
 
 FORMAT, VERSION = "iquestrt-prefill-snapshot", 1
@@ -220,14 +218,7 @@ class SnapshotEngine(Engine):
         caches = RuntimeCaches.create(self.cfg, self.rcfg, n + rows, dev)
         flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32, device=dev)
         st = Session(req, caches, flags, list(ids))
-        hidden = []
-        for c in range(0, n, rows):
-            chunk = torch.tensor(ids[c : c + rows], device=dev)
-            logits, h = self.target.forward(chunk, c, caches, flags)
-            self._check("snapshot prefill", st, logits, chunk.shape[0], True)
-            hidden.append(h[: chunk.shape[0]].clone())
-        caches.settle_target(self.ops, n, n)
-        last = chunk.shape[0] - 1
+        last_logits, hidden = Engine._prefill_target(self, st)
         ks, vs, labels = [], [], []
         for i, layer in enumerate(caches.target):
             lab = layer.slot_pos
@@ -241,7 +232,7 @@ class SnapshotEngine(Engine):
             vs.append(layer.v[:c].clone())
             labels.append(lab.clone())
         return PrefillSnapshot(self.snapshot_key(ids), ids, tuple(ks), tuple(vs), tuple(labels),
-                               torch.cat(hidden), logits[last : last + 1].clone())
+                               hidden, last_logits.clone())
 
     def check_snapshot(self, req: GenerationRequest, snap: PrefillSnapshot) -> None:
         """Refuse a snapshot taken for another prompt or an engine whose prefill differs."""
@@ -272,27 +263,14 @@ class SnapshotEngine(Engine):
         finally:
             self._replay = None
 
-    def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
+    def _prefill_target(self, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
         snap = self._replay
         if snap is None:
-            return super()._prefill(st)
-        n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
+            return super()._prefill_target(st)
+        n, dev = len(st.tokens), self.w.device
         self._restore(st.caches, snap)
         st.caches.settle_target(self.ops, n, n)
-        hidden = snap.hidden.to(dev).clone()
-        # from here on: Engine._prefill after its target pass (keep the two in step)
-        s = self.ops.sample(snap.last_logits.to(dev), st.req.sampling, st.req.seed,
-                            torch.tensor([n], device=dev), Purpose.TARGET_SAMPLE, Live.of(1, dev))
-        tok = self._token("prefill", s.tokens[0])
-        if self.rcfg.policy.max_depth > 0:
-            c = st.caches
-            for s0 in range(c.draft_next, n, rows):  # row p: token at p, target hidden of p − 1
-                e = min(s0 + rows, n)
-                toks = torch.tensor(st.tokens[s0:e], device=dev)
-                lg, _ = self.draft.forward(toks, hidden[s0 - 1 : e - 1], s0, c.draft)
-                c.draft_next = e
-                self._check("prefill", st, lg, e - s0, False)
-        return tok, hidden
+        return snap.last_logits.to(dev), snap.hidden.to(dev).clone()
 
     @staticmethod
     def _restore(caches: RuntimeCaches, snap: PrefillSnapshot) -> None:
