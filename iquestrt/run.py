@@ -6,30 +6,17 @@ import os
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from iquestrt.files import checkpoint_tokenizer
 from reference.checkpoint import load_checkpoint
 from reference.depth import policy_from_spec
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, GenerationResult, ReferenceGenerator
-
-
-def _tokenizer(checkpoint: Path):
-    """The checkpoint's tokenizer.json (Hugging Face `tokenizers` format), or None."""
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises its own exception types
-        raise ValueError(f"{path}: not a valid tokenizer file: {e}") from None
 
 
 def _request(a, cfg, tokenizer) -> GenerationRequest:
@@ -165,7 +152,7 @@ class _Stream:
 def generate_from_args(a) -> int:
     ckpt = load_checkpoint(a.checkpoint)
     cfg = ckpt.cfg
-    tokenizer = _tokenizer(a.checkpoint)
+    tokenizer = checkpoint_tokenizer(a.checkpoint)
     req = _request(a, cfg, tokenizer)
     req.validate(cfg.target.vocab_size, cfg.target.max_position_embeddings)
     try:

@@ -158,12 +158,12 @@ def run_from_args(a) -> int:
     from iquestrt.experiment.arms import ArmSpec
     from iquestrt.experiment.engine import ExperimentEngine
     from iquestrt.experiment.runner import ExperimentError, Plan, PromptCase
+    from iquestrt.files import checkpoint_tokenizer
     from iquestrt.report.prompts import load_prompts
-    from iquestrt.run import _tokenizer
     from reference.config import ModelConfig, SamplingDefaults
 
     cfg = ModelConfig.load(a.checkpoint)
-    prompts = _take(load_prompts(a.prompts, _tokenizer(a.checkpoint), a.max_prompt_tokens,
+    prompts = _take(load_prompts(a.prompts, checkpoint_tokenizer(a.checkpoint), a.max_prompt_tokens,
                                  vocab_size=cfg.target.vocab_size), a.n_prompts)
     longest = max(len(p.ids) for p in prompts)
     base = RuntimeConfig(ops=ops, device="cuda" if gpu else "cpu", ring_pad=a.ring_pad,

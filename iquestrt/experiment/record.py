@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from iquestrt.files import swap_in
+
 REPO = Path(__file__).resolve().parents[2]
 JSON_NAME, MD_NAME = "record.json", "record.md"
 
@@ -74,15 +76,8 @@ def write_record(out: Path, record: dict, markdown: str, force: bool = False) ->
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    os.replace(out, old)
     try:
-        os.replace(tmp, out)
+        swap_in(tmp, out)
     except BaseException:
-        os.replace(old, out)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(old)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from iquestrt.files import checkpoint_tokenizer, swap_in
 from iquestrt.report.dataset import MAX_ROWS, build_dataset
 from iquestrt.report.decode import BackendSpec, Decoded, Decoders, policy_label
 from iquestrt.report.prompts import Prompt, load_prompts
@@ -97,18 +98,6 @@ def resolve_policies(spec: AcceptanceSpec, num_draft_slots: int) -> dict:
     return out
 
 
-def _tokenizer(checkpoint: Path):
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises its own exception types
-        raise ValueError(f"{path}: not a valid tokenizer file: {e}") from None
-
-
 def _attrs(spec: AcceptanceSpec, cfg, decoders: Decoders, policies: dict) -> dict:
     s = cfg.sampling
     desc = {k: (f"fixed depth {p.depth}" if k != "adaptive" else
@@ -132,20 +121,6 @@ def _attrs(spec: AcceptanceSpec, cfg, decoders: Decoders, policies: dict) -> dic
     }
 
 
-def _swap_in(tmp: Path, out: Path) -> None:
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    old = out.with_name(f"{out.name}.old-{os.getpid()}")
-    os.replace(out, old)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(old, out)  # put the previous report back
-        raise
-    shutil.rmtree(old)
-
-
 OnRequest = Callable[[int, int, Decoded], None]
 
 
@@ -155,7 +130,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
     ckpt = load_checkpoint(spec.checkpoint)
     cfg = ckpt.cfg
     policies = resolve_policies(spec, cfg.draft.num_draft_slots)
-    prompts: list[Prompt] = load_prompts(spec.prompts, _tokenizer(spec.checkpoint),
+    prompts: list[Prompt] = load_prompts(spec.prompts, checkpoint_tokenizer(spec.checkpoint),
                                          spec.max_prompt_tokens, spec.per_kind,
                                          cfg.target.vocab_size)
     longest = max(len(p.ids) for p in prompts)
@@ -183,7 +158,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
                            _attrs(spec, cfg, decoders, policies))
         ds.to_netcdf(tmp / NC_NAME, engine="scipy", format="NETCDF3_64BIT")
         write_summary(ds, tmp)
-        _swap_in(tmp, out)
+        swap_in(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
