@@ -91,18 +91,42 @@ def _padded(live_rows: torch.Tensor, rows: int, device, fill=NAN) -> torch.Tenso
     return out
 
 
+class DequantCache:
+    """ops.dequant_block memoized per weight: the twins call it for every row, which dominated
+    their time. Keyed by storage, offset, shape and the in-place version counters of weight and
+    scales, so a weight changed in place (tests poison weights mid-request) is dequantized anew;
+    the values are those of the uncached call, bit for bit."""
+
+    def __init__(self):
+        self.table: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                tuple(t.stride()), t._version)
+
+    def __call__(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        key = self._key(w) + self._key(s)
+        hit = self.table.get(key)
+        if hit is None:
+            hit = self.table[key] = ref_ops.dequant_block(w.cpu(), s.cpu())
+        return hit
+
+
 class TwinOps:
     name = "twins"
 
     def __init__(self, device: torch.device, max_polls: int):
         self.dev = device
+        self.dq = DequantCache()
 
     def reset(self) -> None:
         pass
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
         y = _rows(live.n, lambda r: dense_twins.linear_fp8_ref(x[r : r + 1], lin.w, lin.s,
-                                                                out_dtype=out_dtype))
+                                                                out_dtype=out_dtype,
+                                                                dequant=self.dq))
         return _padded(y, x.shape[0], self.dev)  # [R, N]
 
     def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
@@ -160,7 +184,7 @@ class TwinOps:
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
         y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
             x[r : r + 1], weights[r : r + 1], ids[r : r + 1], m.fc, m.fc_s, m.proj, m.proj_s,
-            out_dtype=out_dtype))
+            out_dtype=out_dtype, dequant=self.dq))
         return _padded(y, x.shape[0], self.dev)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:

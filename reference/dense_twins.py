@@ -22,18 +22,24 @@ def _n_live(n_live, rows: int) -> int:
     return min(rows, int(torch.as_tensor(n_live).reshape(-1)[0].item()))
 
 
-def _fp8_operands(x, weight, scale_inv, n: int):
+def _dequant(weight, scale_inv):
+    return ops.dequant_block(weight.cpu(), scale_inv.cpu())
+
+
+def _fp8_operands(x, weight, scale_inv, n: int, dequant=_dequant):
     """x's live rows quantized per row per 128 columns and dequantized [n, K]; W dequantized
-    [N, K] — both FP32, exactly the values the kernel's MMA and scale multiply represent."""
+    [N, K] — both FP32, exactly the values the kernel's MMA and scale multiply represent.
+    dequant: a memoizing stand-in may be passed (iquestrt/ops.py TwinOps)."""
     xd = ops.dequant_act(*ops.quantize_act(x[:n].cpu()))
-    return xd, ops.dequant_block(weight.cpu(), scale_inv.cpu())
+    return xd, dequant(weight, scale_inv)
 
 
-def linear_fp8_ref(x, weight, scale_inv, n_live=None, *, out_dtype=torch.bfloat16):
+def linear_fp8_ref(x, weight, scale_inv, n_live=None, *, out_dtype=torch.bfloat16,
+                   dequant=_dequant):
     """Twin of kernels.linear.linear_fp8 → [n, N]: one FP32 GEMM on the dequantized operands,
     rounded once to out_dtype."""
     n = _n_live(n_live, x.shape[0])
-    xd, wd = _fp8_operands(x, weight, scale_inv, n)
+    xd, wd = _fp8_operands(x, weight, scale_inv, n, dequant)
     return (xd @ wd.t()).to(out_dtype)
 
 

@@ -46,12 +46,17 @@ def _slots_by_expert(ids: torch.Tensor):
         yield e, rows * k + ks
 
 
+def _dequant_cpu(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return ops.dequant_block(w.cpu(), s.cpu())
+
+
 def moe_gate_up_fp8_ref(
     x: torch.Tensor,  # [R, H]
     ids: torch.Tensor,  # [R, K]
     fc: torch.Tensor,  # [E, 2I, H] E4M3, gate rows then up rows
     fc_scale_inv: torch.Tensor,  # [E, ⌈2I/128⌉, ⌈H/128⌉]
     n_live=None,
+    dequant=None,  # (w, s) → FP32 weight; a memoizing stand-in may be passed (iquestrt/ops.py)
 ) -> torch.Tensor:
     """Twin of kernels.moe.moe_gate_up_fp8 → SiLU(gate)·up, FP32 [n·K, I].
 
@@ -59,13 +64,14 @@ def moe_gate_up_fp8_ref(
     dequantized exactly; gate and up are FP32 GEMMs.
     """
     n = _n_live(n_live, x.shape[0])
+    dequant = dequant or _dequant_cpu
     ids = ids[:n].cpu().long()
     inter = fc.shape[1] // 2
     xd = ops.dequant_act(*ops.quantize_act(x[:n].cpu()))  # [n, H]
     xs = xd.repeat_interleave(ids.shape[1], dim=0)  # [n·K, H], slot order
     a = torch.zeros(n * ids.shape[1], inter)
     for e, slots in _slots_by_expert(ids):
-        w = ops.dequant_block(fc[e].cpu(), fc_scale_inv[e].cpu())  # [2I, H]
+        w = dequant(fc[e], fc_scale_inv[e])  # [2I, H]
         g = xs[slots] @ w[:inter].t()
         u = xs[slots] @ w[inter:].t()
         a[slots] = silu_mul(g, u)
@@ -81,6 +87,7 @@ def moe_down_fp8_ref(
     n_live=None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    dequant=None,
 ) -> torch.Tensor:
     """Twin of kernels.moe.moe_down_fp8 → [n, H].
 
@@ -90,12 +97,13 @@ def moe_down_fp8_ref(
     once to out_dtype.
     """
     n = _n_live(n_live, weights.shape[0])
+    dequant = dequant or _dequant_cpu
     ids = ids[:n].cpu().long()
     k = ids.shape[1]
     ad = ops.dequant_act(*ops.quantize_act(a[: n * k].cpu()))  # [n·K, I]
     y = torch.zeros(n * k, proj.shape[1])  # [n·K, H]
     for e, slots in _slots_by_expert(ids):
-        y[slots] = ad[slots] @ ops.dequant_block(proj[e].cpu(), proj_scale_inv[e].cpu()).t()
+        y[slots] = ad[slots] @ dequant(proj[e], proj_scale_inv[e]).t()
     w = weights[:n].cpu().float()
     y = y.view(n, k, -1)
     acc = torch.zeros(n, proj.shape[1])
@@ -115,7 +123,9 @@ def moe_fp8_ref(
     n_live=None,
     *,
     out_dtype: torch.dtype = torch.bfloat16,
+    dequant=None,
 ) -> torch.Tensor:
     """Twin of kernels.moe.moe_fp8: gate/up twin, then down twin → [n, H] out_dtype."""
-    a = moe_gate_up_fp8_ref(x, ids, fc, fc_scale_inv, n_live)
-    return moe_down_fp8_ref(a, weights, ids, proj, proj_scale_inv, n_live, out_dtype=out_dtype)
+    a = moe_gate_up_fp8_ref(x, ids, fc, fc_scale_inv, n_live, dequant)
+    return moe_down_fp8_ref(a, weights, ids, proj, proj_scale_inv, n_live, out_dtype=out_dtype,
+                            dequant=dequant)
