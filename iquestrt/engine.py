@@ -68,8 +68,6 @@ class Session:
     caches: RuntimeCaches
     flags: torch.Tensor  # [L] int32: readiness failure flag of each target layer
     tokens: list[int]  # prompt + emitted tokens, by position
-    hidden: torch.Tensor | None = None  # [P, H] bf16 target final hidden of positions hidden_at…
-    hidden_at: int = 0
     rounds: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     device: DeviceState | None = None

@@ -72,13 +72,6 @@ class Live:
                                "reads inside a captured device round)")
         return int(self.t[0])
 
-    def torch_rows(self, rows: int) -> int:
-        """Rows the torch parts compute: the live ones when the host can know them cheaply,
-        else all `rows` of the buffer (padding rows compute on padding, and are never read)."""
-        if self.known is not None:
-            return self.known
-        return int(self.t[0]) if self.t.device.type == "cpu" else rows
-
 
 def _rows(n: int, fn) -> torch.Tensor:
     """[n, …]: fn(r) [1, …] for each live row r, one twin call per row."""

@@ -10,28 +10,14 @@ prefetcher that did reach routing is caught by exactly this comparison.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
+from iquestrt.snapshot import caches_digest
 from qualification.mini_engine import MINI, RING_PAD, SAMPLING, first_difference, prompts
 from reference.depth import FixedDepth
 from reference.speculative import GenerationRequest
 
 PROMPT_TOKENS, NEW_TOKENS, DEPTH, SEED = 64, 24, 3, 0
-
-
-def _digest(eng) -> str:
-    """Of what each cache holds (labelled positions with their K and V, in position order)."""
-    h = hashlib.sha256()
-    c = eng.session.caches
-    for layer in [*c.target, c.draft]:
-        lab = layer.slot_pos.cpu()
-        keep = lab >= 0
-        order = torch.argsort(lab[keep])
-        for t in (lab[keep][order], layer.k.cpu()[keep][order], layer.v.cpu()[keep][order]):
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _decode(prefetch: bool):
@@ -49,7 +35,7 @@ def _decode(prefetch: bool):
     res = eng.generate(req)
     records = [(r.position, [d.token for d in r.drafts], r.accepted, r.emitted)
                for r in res.rounds]
-    return res.tokens, records, _digest(eng), eng.target.prefetcher
+    return res.tokens, records, caches_digest(eng.session.caches), eng.target.prefetcher
 
 
 def run() -> tuple[bool, str, list[str]]:

@@ -6,19 +6,18 @@ of every cache after the request. A broken variant shows the digest is sensitive
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
-import torch
 
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
+from iquestrt.snapshot import caches_digest
 from iquestrt.weights import from_checkpoint
 from reference.checkpoint import load_checkpoint
 from reference.depth import FixedDepth
 from reference.speculative import GenerationRequest
-from tests.test_engine_setup import GREEDY, SAMPLING, held, make_ckpt, rounds_key
+from tests.test_engine_setup import GREEDY, SAMPLING, make_ckpt, rounds_key
 
 pytestmark = pytest.mark.gpu
 PROMPT = (5, 17, 300, 22, 9, 411, 78, 150, 3, 64, 200)
@@ -36,17 +35,7 @@ def _engine(ck, **kw) -> Engine:
 
 
 def cache_digest(eng: Engine) -> str:
-    """Of what each cache holds: labelled positions in order with their K and V (slots without
-    a label may keep rejected rows' bytes; full caches' capacity depends on the width)."""
-    h = hashlib.sha256()
-    c = eng.session.caches
-    for layer in [*c.target, c.draft]:
-        pos, k, v = held(layer)
-        order = torch.argsort(pos)
-        for t in (pos[order], k[order], v[order]):
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-    h.update(f"{c.target_len},{c.draft_next}".encode())
-    return h.hexdigest()
+    return caches_digest(eng.session.caches)
 
 
 def _run(ck, req, on_round=None, **kw):
