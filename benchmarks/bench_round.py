@@ -1,5 +1,6 @@
 """Benchmark of the decode engine's rounds (GPU): per fixed depth D (verification width D + 1),
-eager launches vs CUDA-graph replay, on a checkpoint (default: a tiny-preset checkpoint with a
+eager launches vs CUDA-graph replay by the host loop vs the device loop (a WHILE graph node), on
+a checkpoint (default: a tiny-preset checkpoint with a
 correlated draft, built in a temporary directory). Per configuration it reports rounds, tokens
 per round, time per round and per output token, and launches per round (CUDA kernels and
 memcpy/memset of one eager round under torch.profiler, run on the finished request's state:
@@ -8,7 +9,11 @@ memcpy/memset of one eager round under torch.profiler, run on the finished reque
 Timing: the request's decode loop only (prefill, loading and capture excluded): CUDA events
 around `Engine._decode`, median of --reps requests, configurations interleaved per repetition.
 
-    python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--tokens 128] [--reps 3] [--json F]
+    python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--modes eager graph device]
+        [--tokens 128] [--reps 3] [--json F]
+
+The host loop reads the log every 8 rounds (sync_rounds), the device loop once per request;
+"device/graph" is the paired ratio of their round times (same run, alternating).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from reference.speculative import GenerationRequest
 from tests.test_engine_setup import SAMPLING, make_ckpt
 
 PROMPT = tuple(range(5, 69))
+MODES = ("eager", "graph", "device")
 
 
 def timed_request(eng: Engine, req: GenerationRequest) -> tuple[float, object]:
@@ -75,6 +81,7 @@ def main(argv=None) -> int:
                          "reference.depth.default_adaptive)")
     ap.add_argument("--checkpoint", type=Path, default=None,
                     help="default: a tiny-preset checkpoint with a correlated draft")
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
@@ -87,12 +94,13 @@ def main(argv=None) -> int:
     req = GenerationRequest(PROMPT, args.tokens, SAMPLING, 1)
     engines = {}
     for d in args.depths:
-        for graphs in (False, True):
+        for mode in args.modes:
             policy = policy_from_spec(d, ck.directory)
             rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
-                               policy=policy, graphs=graphs, sync_rounds=8)
-            engines[d, graphs] = Engine(from_checkpoint(ck, "cuda", 512), rc)
-            engines[d, graphs].generate(req)  # JIT-compile everything first
+                               policy=policy, graphs=mode != "eager", sync_rounds=8,
+                               loop="device" if mode == "device" else "host")
+            engines[d, mode] = Engine(from_checkpoint(ck, "cuda", 512), rc)
+            engines[d, mode].generate(req)  # JIT-compile everything first
     times = {k: [] for k in engines}
     results = {}
     for rep in range(args.reps):
@@ -102,25 +110,30 @@ def main(argv=None) -> int:
             results[k] = res
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     rows = []
-    for (d, graphs), ts in times.items():
-        res = results[d, graphs]
+    for (d, mode), ts in times.items():
+        res = results[d, mode]
         t = statistics.median(ts)
         n_r, n_tok = len(res.rounds), len(res.tokens) - 1
-        launches = launches_per_round(engines[d, graphs], req)
+        launches = launches_per_round(engines[d, mode], req)
         rows.append(dict(depth=d, width=res.rounds and max(len(r.drafts) for r in res.rounds) + 1,
-                         graphs=graphs, rounds=n_r, launches=launches,
+                         mode=mode, rounds=n_r, launches=launches,
                          tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,
                          token_us=t / n_tok * 1e6, raw_s=ts))
     print(f"{'D':>2} {'W':>2} {'mode':>6} {'rounds':>6} {'tok/rnd':>7} {'us/round':>9} "
           f"{'us/token':>9} {'launches':>8}")
     for r in rows:
-        print(f"{r['depth']:>2} {r['width']:2d} {'graph' if r['graphs'] else 'eager':>6} "
+        print(f"{r['depth']:>2} {r['width']:2d} {r['mode']:>6} "
               f"{r['rounds']:6d} {r['tokens_per_round']:7.2f} {r['round_us']:9.1f} "
               f"{r['token_us']:9.1f} {r['launches']:8d}")
+    by = {(r["depth"], r["mode"]): r for r in rows}
     for d in args.depths:
-        e = next(r for r in rows if r["depth"] == d and not r["graphs"])
-        g = next(r for r in rows if r["depth"] == d and r["graphs"])
-        print(f"depth {d}: graph/eager round time ratio {g['round_us'] / e['round_us']:.3f}")
+        for a, b in (("graph", "eager"), ("device", "graph")):
+            if (d, a) in by and (d, b) in by:
+                ra, rb = by[d, a], by[d, b]
+                same = "same tokens" if results[d, a].tokens == results[d, b].tokens else \
+                    "TOKENS DIFFER"
+                print(f"depth {d}: {a}/{b} round time ratio {ra['round_us'] / rb['round_us']:.3f}"
+                      f" ({b} - {a} = {rb['round_us'] - ra['round_us']:+.1f} us/round; {same})")
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
     if args.json:
         args.json.write_text(json.dumps(dict(env=env, rows=rows), indent=2))

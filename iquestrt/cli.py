@@ -103,6 +103,9 @@ def _build() -> argparse.ArgumentParser:
     )
     g.add_argument("--graphs", action="store_true",
                    help="runtime on a GPU: replay one CUDA graph per round")
+    g.add_argument("--loop", choices=("host", "device"), default="host",
+                   help="runtime with --graphs: 'device' loops rounds in a WHILE graph node on "
+                        "the GPU (no host round trip between rounds)")
     g.add_argument("--stream", action="store_true",
                    help="print tokens (text with a tokenizer) as they are decoded")
     g.add_argument("--quiet", action="store_true", help="no progress display")

@@ -15,6 +15,7 @@ from reference.config import ModelConfig
 from reference.depth import AdaptiveDepth, FixedDepth
 
 OPS_BACKENDS = ("kernels", "twins")
+LOOPS = ("host", "device")
 KERNEL_WIDTH = 8  # rows of the padded buffers: the tails' router handles at most 8 rows
 
 
@@ -38,6 +39,8 @@ class RuntimeConfig:
     policy: FixedDepth | AdaptiveDepth = FixedDepth(3)  # draft depth per round (0 = plain)
     graphs: bool = False  # replay one captured CUDA graph per round (GPU only)
     sync_rounds: int = 4  # rounds launched between two host reads of the result log (GPU)
+    loop: str = "host"  # "device": rounds looped by a WHILE graph node (needs graphs; GPU only)
+    wait_s: float = 300.0  # longest wait for launched rounds before the request fails
     prefetch: bool = True  # expert prefetch on sliding layers when the checkpoint ships a
     # predictor (prefetch.safetensors; iquestrt/prefetch.py); never changes a bit
 
@@ -74,6 +77,17 @@ class RuntimeConfig:
             isinstance(self.sync_rounds, int) and 1 <= self.sync_rounds <= 64,
             "sync_rounds",
             f"must be an int in [1, 64], got {self.sync_rounds!r}",
+        )
+        _require(self.loop in LOOPS, "loop", f"choose one of {LOOPS}, got {self.loop!r}")
+        _require(
+            self.loop == "host" or self.graphs,
+            "loop",
+            "the device loop replays the round's CUDA graph: set graphs=True",
+        )
+        _require(
+            isinstance(self.wait_s, (int, float)) and 0 < self.wait_s <= 86400,
+            "wait_s",
+            f"must be a number of seconds in (0, 86400], got {self.wait_s!r}",
         )
         _require(
             not self.graphs or torch.device(self.device).type == "cuda",

@@ -4,9 +4,11 @@ verifier.
 
 A request: validate (host, before any device work) → prefill on the host (the target over the
 prompt, the draft over positions 1 … n−1, the first token) → rounds on device-resident state
-(iquestrt/state.py, iquestrt/round.py), launched eagerly or as CUDA-graph replays
-(iquestrt/graphs.py) by a host loop that reads the result log every round when `on_round`
-watches, else every RuntimeConfig.sync_rounds rounds (on the CPU: every round, reads are free).
+(iquestrt/state.py, iquestrt/round.py), launched eagerly, as CUDA-graph replays by a host loop,
+or by a WHILE graph on the device (iquestrt/graphs.py). The host reads the result log every
+round when `on_round` watches, about every STREAM_TOKENS tokens when streaming, else every
+RuntimeConfig.sync_rounds rounds (host loop) or once at the end (device loop); on the CPU every
+round (reads are free). Every wait for the device is bounded (RuntimeConfig.wait_s).
 One round (m = position of the newest token x_m, not yet in the target cache):
   1. draft depth 0 over the catch-up rows draft_next … m (token at p, target hidden of p−1);
      depths 1 … D−1 one row each. Each depth's last row is sampled (DRAFT_SAMPLE at the next
@@ -33,6 +35,7 @@ import torch
 
 from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
+from iquestrt.device_loop import DeviceTimeout, wait_bounded
 from iquestrt.draft import DraftModel
 from iquestrt.graphs import RoundPrograms
 from iquestrt.model import TargetModel
@@ -96,7 +99,7 @@ class Engine:
         self.target = TargetModel(weights, self.ops, rcfg.max_width,
                                   prefetcher if rcfg.prefetch else None)
         self.draft = DraftModel(weights, self.ops, rcfg.max_width)
-        self.programs = RoundPrograms(rcfg.graphs)
+        self.programs = RoundPrograms(rcfg.graphs, rcfg.loop)
         self.session: Session | None = None
 
     @classmethod
@@ -234,8 +237,8 @@ class Engine:
         return tok, hidden
 
     def _decode(self, st: Session, hidden: torch.Tensor, on_round, on_tokens=None) -> None:
-        program = self._prepare(st, hidden)
-        self._loop(st, program, on_round, on_tokens)
+        launcher = self._prepare(st, hidden)
+        self._loop(st, launcher, on_round, on_tokens)
 
     def _prepare(self, st: Session, hidden: torch.Tensor):
         """Device state from the prefill, and the round program (captured when graphs are on):
@@ -250,19 +253,26 @@ class Engine:
         st.device = ds
         return self.programs.get(self, ds, req, self.rcfg.policy)
 
-    def _loop(self, st: Session, program, on_round, on_tokens=None) -> None:
+    def _loop(self, st: Session, launcher, on_round, on_tokens=None) -> None:
         """The decode clock: launch rounds, read the log, stop at the request's end."""
         ds = st.device
         if on_round is not None or ds.tokens.device.type == "cpu":
             every = 1
         elif on_tokens is not None:
             every = max(1, STREAM_TOKENS // (self.rcfg.policy.max_depth + 1))
+        elif self.rcfg.loop == "device":
+            every = ds.max_new  # a round emits >= 1 token: one launch runs the whole request
         else:
             every = self.rcfg.sync_rounds
         read, sent = 0, 0
         while True:
-            for _ in range(every):
-                program()
+            launcher.launch(read, every)
+            if ds.tokens.device.type == "cuda":
+                try:
+                    wait_bounded(torch.cuda.current_stream(), self.rcfg.wait_s,
+                                 f"rounds {read} … {read + every - 1}")
+                except DeviceTimeout as e:
+                    raise EngineError(str(e)) from e
             log = read_log(ds, read, st.flags)
             done = False
             for i in range(log.head.shape[0]):

@@ -1,11 +1,16 @@
-"""The round programs of a request: eager, or CUDA graphs (a family keyed by draft depth, i.e.
-by verification width depth + 1), each captured once per request and replayed once per round.
+"""How a request's rounds are launched (RuntimeConfig.graphs / .loop):
+
+  eager    the round program's kernels launched by the host, once per round
+  graph    one CUDA graph of the round, captured per request, replayed once per round by the host
+  device   the graph inside a WHILE conditional node (iquestrt/device_loop.py): one launch runs
+           rounds until the request is done or the host's next log read is due
 
 Capture runs the program twice (a warm-up on a side stream that JIT-compiles the kernels, then
 the capture) with the state's done flag set: every kernel sees 0 live rows and every state
 update is `where(go, …)`, so neither run changes the request's state or caches (iquestrt/round.py).
 Graphs bind the addresses of this request's state and caches; a new request captures anew
-(outside the decode clock, like prefill).
+(outside the decode clock, like prefill). The draft depth of the captured program is the
+policy's maximum; an adaptive policy's later depths are gated on the device.
 """
 
 from __future__ import annotations
@@ -14,38 +19,92 @@ from collections.abc import Callable
 
 import torch
 
+from iquestrt.device_loop import ConditionKernel, DeviceLoop
 from iquestrt.round import RoundProgram
 from iquestrt.state import DeviceState
 from reference.speculative import GenerationRequest
 
 
-class RoundPrograms:
-    def __init__(self, graphs: bool):
-        self.graphs = graphs
-        self.captured: dict[int, torch.cuda.CUDAGraph] = {}  # depth → graph (current request)
+class Launcher:
+    """launch(first, rounds): queue rounds first … first+rounds−1 (asynchronous on a GPU);
+    `first` = rounds committed so far (the host knows it from its last log read)."""
 
-    def get(self, engine, st: DeviceState, req: GenerationRequest, policy
-            ) -> Callable[[], None]:
+    def __init__(self, one_round: Callable[[], None]):
+        self.one_round = one_round
+
+    def launch(self, first: int, rounds: int) -> None:
+        for _ in range(rounds):
+            self.one_round()
+
+    def close(self) -> None:
+        pass
+
+
+class DeviceLauncher(Launcher):
+    def __init__(self, loop: DeviceLoop):
+        self.loop = loop
+
+    def launch(self, first: int, rounds: int) -> None:
+        # a live iteration commits one round, so `rounds` iterations always reach the limit
+        self.loop.launch(first + rounds, rounds)
+
+    def close(self) -> None:
+        self.loop.close()
+
+
+class RoundPrograms:
+    def __init__(self, graphs: bool, loop: str = "host"):
+        self.graphs, self.loop = graphs, loop
+        self.captured: dict[int, torch.cuda.CUDAGraph] = {}  # depth → graph (current request)
+        self.launcher: Launcher | None = None
+        self._cond: ConditionKernel | None = None  # compiled once per engine
+
+    def get(self, engine, st: DeviceState, req: GenerationRequest, policy) -> Launcher:
+        if self.launcher is not None:
+            self.launcher.close()
         program = RoundProgram(engine, st, req, policy)
         depth = policy.max_depth
         if not self.graphs:
-            return program
+            self.launcher = Launcher(program)
+            return self.launcher
         if st.tokens.device.type != "cuda":
             raise ValueError("RuntimeConfig.graphs needs a CUDA device")
+        if self.loop == "device":
+            if self._cond is None:
+                self._cond = ConditionKernel.compile(st.tokens.device)
+            loop = capture_device_loop(program, st, self._cond)
+            self.captured = {}
+            self.launcher = DeviceLauncher(loop)
+            return self.launcher
         self.captured = {depth: capture(program, st)}
-        return self.captured[depth].replay
+        self.launcher = Launcher(self.captured[depth].replay)
+        return self.launcher
 
 
-def capture(program: RoundProgram, st: DeviceState) -> torch.cuda.CUDAGraph:
-    done = st.done.clone()
-    st.done.fill_(1)
+def _warm_up(program: RoundProgram) -> None:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         program()
     torch.cuda.current_stream().wait_stream(side)
+
+
+def capture(program: RoundProgram, st: DeviceState) -> torch.cuda.CUDAGraph:
+    done = st.done.clone()
+    st.done.fill_(1)
+    _warm_up(program)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         program()
     st.done.copy_(done)
     return graph
+
+
+def capture_device_loop(program: RoundProgram, st: DeviceState, cond: ConditionKernel
+                        ) -> DeviceLoop:
+    done = st.done.clone()
+    st.done.fill_(1)
+    _warm_up(program)
+    loop = DeviceLoop(program, st.done, st.round, cond)
+    st.done.copy_(done)
+    return loop

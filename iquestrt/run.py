@@ -114,6 +114,9 @@ def _runtime(a, ckpt, req, policy):
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if a.graphs and not gpu:
         raise ValueError("--graphs: CUDA graphs need a GPU (none is visible)")
+    if a.loop == "device" and not a.graphs:
+        raise ValueError("--loop device: the device loop replays the round's CUDA graph; add "
+                         "--graphs")
     from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
     from iquestrt.engine import Engine
 
@@ -124,6 +127,7 @@ def _runtime(a, ckpt, req, policy):
         max_positions=len(req.prompt_ids) + req.max_new_tokens + KERNEL_WIDTH,
         policy=policy,
         graphs=a.graphs,
+        loop=a.loop,
     )
     engine = Engine.from_checkpoint(ckpt.directory, rcfg)
     engine.validate(req)

@@ -148,6 +148,11 @@ def test_convert_quantizes_a_bf16_checkpoint(tmp_path):
             "nonexistent",
         ),
         (["make-checkpoint", "--preset", "huge", "--out", "{tmp}/x"], "preset"),
+        (
+            ["generate", "--checkpoint", "{ckpt}", "--backend", "runtime", "--prompt-ids", "1",
+             "--max-new-tokens", "3", "--loop", "device"],
+            "--loop device: the device loop replays the round's CUDA graph; add --graphs",
+        ),
     ],
 )
 def test_bad_arguments_one_line_exit_2(argv, message, ckpt, tmp_path, capsys):
@@ -177,6 +182,8 @@ def test_help_explains_every_generate_option(capsys):
         "--top-p",
         "--backend",
         "--draft-depth",
+        "--graphs",
+        "--loop",
     ):
         assert opt in text
 

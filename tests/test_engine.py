@@ -277,6 +277,9 @@ def test_greedy_accepts_top_k_zero(corr):
     (dict(max_width=4, policy=FixedDepth(4)), "draft depth 4 needs 5 verification rows"),
     (dict(max_polls=0), "max_polls"),
     (dict(device="gpu:zero"), "device: not a device"),
+    (dict(loop="gpu"), r"loop: choose one of \('host', 'device'\)"),
+    (dict(loop="device"), "loop: the device loop replays the round's CUDA graph"),
+    (dict(wait_s=0), r"wait_s: must be a number of seconds in \(0, 86400\]"),
 ])
 def test_bad_runtime_config(kw, message):
     with pytest.raises(RuntimeConfigError, match=message):

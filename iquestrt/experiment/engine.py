@@ -50,4 +50,6 @@ class ExperimentEngine(SnapshotEngine):
         def done(sig: ProgramSignature) -> None:
             self.signature = sig
 
-        return FirstRoundRecorder(self, super()._prepare(st, hidden), done)
+        launcher = super()._prepare(st, hidden)  # eager: one_round is the round program
+        launcher.one_round = FirstRoundRecorder(self, launcher.one_round, done)
+        return launcher

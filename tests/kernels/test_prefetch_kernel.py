@@ -28,6 +28,7 @@ from reference.prefetch import (
 )
 from tests.kernels.sm90 import compile_sm90
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
 BIG = 2.0**120  # exact in bf16; a padding row of this size swamps every live score
 
 
@@ -60,7 +61,7 @@ def inputs(c: Case, seed: int, p_dtype=torch.bfloat16):
 
 
 def poisoned_buffers(c: Case) -> PrefetchBuffers:
-    b = PrefetchBuffers.create(c.rows, c.hidden, c.experts, 2 * c.inter, c.m, "cpu")
+    b = PrefetchBuffers.create(c.rows, c.hidden, c.experts, 2 * c.inter, c.m, DEV)
     b.partials.fill_(float("nan"))
     b.ids.fill_(-7)
     b.sink.fill_(-7)
@@ -89,15 +90,18 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def run(c: Case, x, p, fc, fc_s, n: int, min_rows=4, max_rows=5):
+    """Inputs and buffers on DEV; returns the buffers' host copy."""
     buf = poisoned_buffers(c)
     before = [bits(t) for t in (x, p, fc, fc_s)]
-    n_live = torch.tensor([n], dtype=torch.int32)
-    out = prefetch_experts(x, n_live, p, fc, fc_s, c.m, min_rows, max_rows, buffers=buf)
+    on = [t.to(DEV) for t in (x, p, fc, fc_s)]
+    n_live = torch.tensor([n], dtype=torch.int32, device=DEV)
+    out = prefetch_experts(on[0], n_live, on[1], on[2], on[3], c.m, min_rows, max_rows,
+                           buffers=buf)
     assert out is buf
-    for name, t, b in zip(("hidden", "p", "fc", "fc_s"), (x, p, fc, fc_s), before, strict=True):
-        assert torch.equal(bits(t), b), f"the prefetch wrote into its input {name}"
+    for name, t, b in zip(("hidden", "p", "fc", "fc_s"), on, before, strict=True):
+        assert torch.equal(bits(t.cpu()), b), f"the prefetch wrote into its input {name}"
     assert int(n_live) == n, "the prefetch wrote into n_live"
-    return buf
+    return PrefetchBuffers(buf.partials.cpu(), buf.ids.cpu(), buf.sink.cpu())
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
