@@ -1,13 +1,15 @@
-"""Benchmark of the decode engine's rounds (GPU): per fixed depth D (verification width D + 1),
-eager launches vs CUDA-graph replay by the host loop vs the device loop (a WHILE graph node), on
-a checkpoint (default: a tiny-preset checkpoint with a
-correlated draft, built in a temporary directory). Per configuration it reports rounds, tokens
-per round, time per round and per output token, and launches per round (CUDA kernels and
-memcpy/memset of one eager round under torch.profiler, run on the finished request's state:
-0 live rows launch the same kernels).
+"""Benchmark of the decode engine's rounds (GPU): per draft depth policy (fixed D: verification
+width D + 1; or adaptive), eager launches vs CUDA-graph replay by the host loop vs the device
+loop (a WHILE graph node), on a checkpoint (default: a tiny-preset checkpoint with a correlated
+draft, built in a temporary directory). Per configuration: rounds, tokens per round, time per
+round and per output token, launches per round (CUDA kernels and memcpy/memset of one eager
+round under torch.profiler, run on the finished request's state: 0 live rows launch the same
+kernels), and the CUDA operations the decode loop executed per round (profiled over a whole
+request: kernels inside graphs and IF nodes counted, depths an IF node skipped not).
 
-Timing: the request's decode loop only (prefill, loading and capture excluded): CUDA events
-around `Engine._decode`, median of --reps requests, configurations interleaved per repetition.
+Timing: the request's decode loop only (prefill, loading and capture excluded): wall time
+between synchronizations around `Engine._loop`, median of --reps requests, configurations
+interleaved per repetition.
 
     python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--modes eager graph device]
         [--tokens 128] [--reps 3] [--json F]
@@ -74,6 +76,29 @@ def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
+def loop_ops_per_round(eng: Engine, req: GenerationRequest) -> float:
+    """CUDA operations executed per round by the request's decode loop (kernels inside graph
+    launches and conditional nodes included; the log reads' copies too): unlike the eager
+    program's launch count it sees the depths an IF node skipped."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inner, box = eng._loop, {}
+
+    def loop(st, launcher, *rest):
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            inner(st, launcher, *rest)
+            torch.cuda.synchronize()
+        box["n"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    eng._loop = loop
+    try:
+        res = eng.generate(req)
+    finally:
+        eng._loop = inner
+    return box["n"] / len(res.rounds)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--depths", nargs="+", default=["3", "4", "5", "6", "7"],
@@ -115,16 +140,17 @@ def main(argv=None) -> int:
         t = statistics.median(ts)
         n_r, n_tok = len(res.rounds), len(res.tokens) - 1
         launches = launches_per_round(engines[d, mode], req)
+        ops = loop_ops_per_round(engines[d, mode], req)
         rows.append(dict(depth=d, width=res.rounds and max(len(r.drafts) for r in res.rounds) + 1,
-                         mode=mode, rounds=n_r, launches=launches,
+                         mode=mode, rounds=n_r, launches=launches, loop_ops=ops,
                          tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,
                          token_us=t / n_tok * 1e6, raw_s=ts))
     print(f"{'D':>2} {'W':>2} {'mode':>6} {'rounds':>6} {'tok/rnd':>7} {'us/round':>9} "
-          f"{'us/token':>9} {'launches':>8}")
+          f"{'us/token':>9} {'launches':>8} {'ops/rnd':>8}")
     for r in rows:
         print(f"{r['depth']:>2} {r['width']:2d} {r['mode']:>6} "
               f"{r['rounds']:6d} {r['tokens_per_round']:7.2f} {r['round_us']:9.1f} "
-              f"{r['token_us']:9.1f} {r['launches']:8d}")
+              f"{r['token_us']:9.1f} {r['launches']:8d} {r['loop_ops']:8.1f}")
     by = {(r["depth"], r["mode"]): r for r in rows}
     for d in args.depths:
         for a, b in (("graph", "eager"), ("device", "graph")):

@@ -1,35 +1,25 @@
-"""The request loop on the device (issue 4, "graphs"): one CUDA graph whose WHILE conditional
-node replays the captured round until the request is done or a round limit is reached, so the
-host launches once per log read instead of once per round.
+"""CUDA plumbing for conditional graphs (iquestrt/cond_graph.py): the two one-thread condition
+kernels, cuda-python driver calls, and the host's bounded wait for launched work.
 
 PyTorch cannot capture conditional nodes (PLATFORM.md); the CUDA driver API (cuda-python) builds
-them. The round itself is an ordinary PyTorch capture (its memory pool stays PyTorch's), kept
-as a raw graph and cloned into the WHILE body as a child graph. The condition is set on the
-device by a one-thread kernel calling cudaGraphSetConditional — a CUDA runtime builtin: declared
-below, it compiles with NVRTC without the device-runtime headers.
+them. A condition is set on the device by a kernel calling cudaGraphSetConditional — a CUDA
+runtime builtin: declared below, it compiles with NVRTC without the device-runtime headers.
 
-  outer graph   WHILE(h)   h = 1 at every launch (CU_GRAPH_COND_ASSIGN_DEFAULT)
-    body        child graph { round program ; keep_going(h, done, round, ctrl) }
-  keep_going    ctrl[1] += 1;  h = done == 0  &&  round < ctrl[0]  &&  ctrl[1] < ctrl[2]
-  ctrl [3] i32  limit: stop once this many rounds are committed (the host's next log read);
-                iterations so far; max_iters: a bound that ends the loop even if a bug kept
-                done and round from advancing
-
-A launch whose request is already done runs the body once with done = 1, which commits nothing
-(iquestrt/round.py). The host loop launches up to sync_rounds − 1 such rounds after the end;
-the device loop stops at once. Both commit the same rounds with the same bits.
+  keep_going(h, done, round, ctrl)   the WHILE node of the device loop:
+      ctrl[1] += 1;  h = done == 0  &&  round < ctrl[0]  &&  ctrl[1] < ctrl[2]
+      ctrl [3] i32: limit (stop once this many rounds are committed: the host's next log read),
+      iterations so far, max_iters (ends the loop even if a bug kept done and round still)
+  set_if(h, flag)                    an IF node (a later draft depth): h = flag[0] != 0
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-COND_NAME = b"iq_keep_going"
 COND_SOURCE = rb"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
@@ -41,6 +31,10 @@ extern "C" __global__ void iq_keep_going(cudaGraphConditionalHandle handle, cons
     ctrl[1] = it;
     unsigned int go = done[0] == 0 && round[0] < ctrl[0] && it < ctrl[2];
     cudaGraphSetConditional(handle, go);
+}
+
+extern "C" __global__ void iq_set_if(cudaGraphConditionalHandle handle, const int* flag) {
+    cudaGraphSetConditional(handle, flag[0] != 0 ? 1u : 0u);
 }
 """
 
@@ -68,7 +62,7 @@ def wait_bounded(stream: torch.cuda.Stream, timeout_s: float, what: str) -> None
         pause = min(pause * 2, 1e-3)
 
 
-def _ok(result, call: str):
+def checked(result, call: str):
     """cuda-python returns (error, *values): raise on an error, else the values."""
     err, *values = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
@@ -78,10 +72,11 @@ def _ok(result, call: str):
 
 @dataclass
 class ConditionKernel:
-    """keep_going, compiled once per process context (NVRTC → PTX → module)."""
+    """keep_going and set_if, compiled once per engine (NVRTC → PTX → module)."""
 
     module: object
-    function: object
+    keep_going_fn: object
+    set_if_fn: object
     ctx: object
 
     @classmethod
@@ -91,96 +86,74 @@ class ConditionKernel:
         torch.cuda.init()
         torch.empty(1, device=device)  # makes PyTorch's primary context current
         major, minor = torch.cuda.get_device_capability(device)
-        prog = _ok(nvrtc.nvrtcCreateProgram(COND_SOURCE, b"keep_going.cu", 0, [], []),
+        prog = checked(nvrtc.nvrtcCreateProgram(COND_SOURCE, b"keep_going.cu", 0, [], []),
                    "nvrtcCreateProgram")
         opts = [f"--gpu-architecture=compute_{major}{minor}".encode()]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(res[0]) != 0:
-            size = _ok(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
+            size = checked(nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
             log = b" " * size
             nvrtc.nvrtcGetProgramLog(prog, log)
             raise DeviceLoopError(f"NVRTC could not compile keep_going: {log.decode()}")
-        size = _ok(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
+        size = checked(nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
         ptx = b" " * size
-        _ok(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
+        checked(nvrtc.nvrtcGetPTX(prog, ptx), "nvrtcGetPTX")
         nvrtc.nvrtcDestroyProgram(prog)
         image = np.frombuffer(ptx, dtype=np.uint8).copy()
-        module = _ok(driver.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
-        function = _ok(driver.cuModuleGetFunction(module, COND_NAME), "cuModuleGetFunction")
-        ctx = _ok(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        return cls(module, function, ctx)
+        module = checked(driver.cuModuleLoadData(image.ctypes.data), "cuModuleLoadData")
+        fns = [checked(driver.cuModuleGetFunction(module, name), f"cuModuleGetFunction({name})")
+               for name in (b"iq_keep_going", b"iq_set_if")]
+        ctx = checked(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        return cls(module, fns[0], fns[1], ctx)
 
-    def launch(self, handle: int, done: torch.Tensor, rnd: torch.Tensor, ctrl: torch.Tensor
-               ) -> None:
-        """On the current stream (captured when it is capturing)."""
-        from cuda.bindings import driver
+    def keep_going(self, handle, done: torch.Tensor, rnd: torch.Tensor, ctrl: torch.Tensor
+                   ) -> None:
+        _launch(self.keep_going_fn, "keep_going", handle, done, rnd, ctrl)
 
-        values = [np.array([int(handle)], dtype=np.uint64)] + [
-            np.array([t.data_ptr()], dtype=np.uint64) for t in (done, rnd, ctrl)]
-        args = np.array([v.ctypes.data for v in values], dtype=np.uint64)
-        stream = torch.cuda.current_stream().cuda_stream
-        _ok(driver.cuLaunchKernel(self.function, 1, 1, 1, 1, 1, 1, 0, stream,
-                                  args.ctypes.data, 0), "cuLaunchKernel(keep_going)")
-
-
-def _add_conditional(driver, graph, params):
-    """cuGraphAddNode: CUDA 13 bindings take edge data (graph, deps, edges, n, params);
-    CUDA 12's take (graph, deps, n, params)."""
-    try:
-        return _ok(driver.cuGraphAddNode(graph, None, None, 0, params), "cuGraphAddNode")
-    except TypeError:
-        return _ok(driver.cuGraphAddNode(graph, None, 0, params), "cuGraphAddNode")
+    def set_if(self, handle, flag: torch.Tensor) -> None:
+        if flag.dtype != torch.int32 or flag.numel() != 1:
+            raise ValueError(f"set_if: flag must be one int32, got {flag.dtype} "
+                             f"{tuple(flag.shape)}")
+        _launch(self.set_if_fn, "set_if", handle, flag)
 
 
-class DeviceLoop:
-    """Callable launch(limit): rounds run on the device until `limit` rounds are committed,
-    the request is done, or max_iters iterations ran. Asynchronous, like a graph replay."""
+def _launch(fn, name: str, handle, *tensors: torch.Tensor) -> None:
+    """One thread, on the current stream (captured when it is capturing)."""
+    from cuda.bindings import driver
 
-    def __init__(self, program: Callable[[], None], done: torch.Tensor, rnd: torch.Tensor,
-                 cond: ConditionKernel):
-        from cuda.bindings import driver
+    values = [np.array([int(handle)], dtype=np.uint64)] + [
+        np.array([t.data_ptr()], dtype=np.uint64) for t in tensors]
+    args = np.array([v.ctypes.data for v in values], dtype=np.uint64)
+    stream = torch.cuda.current_stream().cuda_stream
+    checked(driver.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, args.ctypes.data, 0),
+        f"cuLaunchKernel({name})")
 
-        self._driver, self.cond = driver, cond
-        dev = done.device
-        self.ctrl = torch.zeros(3, dtype=torch.int32, device=dev)
-        self.graph = _ok(driver.cuGraphCreate(0), "cuGraphCreate")
-        self.handle = _ok(driver.cuGraphConditionalHandleCreate(self.graph, cond.ctx, 1, 1),
-                          "cuGraphConditionalHandleCreate")
-        # the body: the round and keep_going in one PyTorch capture (its pool, its allocator)
-        self.body_capture = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(self.body_capture):
-            program()
-            cond.launch(int(self.handle), done, rnd, self.ctrl)
-        raw = driver.CUgraph(self.body_capture.raw_cuda_graph())
-        params = driver.CUgraphNodeParams()
-        params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-        params.conditional.handle = self.handle
-        params.conditional.type = driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
-        params.conditional.ctx = cond.ctx
-        _add_conditional(driver, self.graph, params)
-        body = params.conditional.phGraph_out[0]
-        _ok(driver.cuGraphAddChildGraphNode(body, None, 0, raw), "cuGraphAddChildGraphNode")
-        self.exec = _ok(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
 
-    def launch(self, limit: int, max_iters: int) -> None:
-        # pageable source: the copy completes before the host goes on (no buffer reuse race)
-        self.ctrl.copy_(torch.tensor([limit, 0, max_iters], dtype=torch.int32))
-        stream = torch.cuda.current_stream().cuda_stream
-        _ok(self._driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+def add_conditional(graph, deps: list, handle, kind: str, ctx):
+    """A WHILE or IF node in `graph` after `deps` → (node, its body graph)."""
+    from cuda.bindings import driver
 
-    def close(self) -> None:
-        """Free the instantiated and built graphs (the body capture's pool goes with it)."""
-        d = self._driver
-        if getattr(self, "exec", None) is not None:
-            d.cuGraphExecDestroy(self.exec)
-            self.exec = None
-        if getattr(self, "graph", None) is not None:
-            d.cuGraphDestroy(self.graph)
-            self.graph = None
+    params = driver.CUgraphNodeParams()
+    params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    params.conditional.handle = handle
+    params.conditional.type = {
+        "while": driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE,
+        "if": driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF,
+    }[kind]
+    params.conditional.size = 1
+    params.conditional.ctx = ctx
+    try:  # CUDA 13 bindings take edge data: (graph, deps, edges, n, params)
+        node = checked(driver.cuGraphAddNode(graph, deps or None, None, len(deps), params),
+                   "cuGraphAddNode")
+    except TypeError:  # CUDA 12: (graph, deps, n, params)
+        node = checked(driver.cuGraphAddNode(graph, deps or None, len(deps), params),
+                   "cuGraphAddNode")
+    return node, params.conditional.phGraph_out[0]
 
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+
+def new_handle(graph, ctx, default: int, reset_each_launch: bool):
+    from cuda.bindings import driver
+
+    return checked(driver.cuGraphConditionalHandleCreate(graph, ctx, default,
+                                                     1 if reset_each_launch else 0),
+               "cuGraphConditionalHandleCreate")

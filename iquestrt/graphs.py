@@ -1,16 +1,19 @@
 """How a request's rounds are launched (RuntimeConfig.graphs / .loop):
 
   eager    the round program's kernels launched by the host, once per round
-  graph    one CUDA graph of the round, captured per request, replayed once per round by the host
-  device   the graph inside a WHILE conditional node (iquestrt/device_loop.py): one launch runs
-           rounds until the request is done or the host's next log read is due
+  graph    one CUDA graph of the round, captured per request, launched once per round by the
+           host; with an adaptive depth policy its later depths sit in IF nodes
+           (iquestrt/cond_graph.py), so a depth the control step skipped runs no kernel
+  device   the round inside a WHILE conditional node: one launch runs rounds until the request
+           is done or the host's next log read is due
 
 Capture runs the program twice (a warm-up on a side stream that JIT-compiles the kernels, then
 the capture) with the state's done flag set: every kernel sees 0 live rows and every state
 update is `where(go, …)`, so neither run changes the request's state or caches (iquestrt/round.py).
 Graphs bind the addresses of this request's state and caches; a new request captures anew
 (outside the decode clock, like prefill). The draft depth of the captured program is the
-policy's maximum; an adaptive policy's later depths are gated on the device.
+policy's maximum; an adaptive policy's later depths are gated on the device (IF nodes, or 0
+live rows when eager).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from iquestrt.device_loop import ConditionKernel, DeviceLoop
+from iquestrt.cond_graph import CondGraph
+from iquestrt.device_loop import ConditionKernel
 from iquestrt.round import RoundProgram
 from iquestrt.state import DeviceState
 from reference.speculative import GenerationRequest
@@ -40,16 +44,19 @@ class Launcher:
         pass
 
 
-class DeviceLauncher(Launcher):
-    def __init__(self, loop: DeviceLoop):
-        self.loop = loop
+class CondLauncher(Launcher):
+    def __init__(self, graph: CondGraph):
+        self.graph = graph
+        self.one_round = graph.launch_round if not graph.looping else None
 
     def launch(self, first: int, rounds: int) -> None:
+        if not self.graph.looping:
+            return super().launch(first, rounds)
         # a live iteration commits one round, so `rounds` iterations always reach the limit
-        self.loop.launch(first + rounds, rounds)
+        self.graph.launch(first + rounds, rounds)
 
     def close(self) -> None:
-        self.loop.close()
+        self.graph.close()
 
 
 class RoundPrograms:
@@ -69,12 +76,12 @@ class RoundPrograms:
             return self.launcher
         if st.tokens.device.type != "cuda":
             raise ValueError("RuntimeConfig.graphs needs a CUDA device")
-        if self.loop == "device":
+        if self.loop == "device" or program.split:
             if self._cond is None:
                 self._cond = ConditionKernel.compile(st.tokens.device)
-            loop = capture_device_loop(program, st, self._cond)
+            graph = capture_conditional(program, st, self._cond, self.loop == "device")
             self.captured = {}
-            self.launcher = DeviceLauncher(loop)
+            self.launcher = CondLauncher(graph)
             return self.launcher
         self.captured = {depth: capture(program, st)}
         self.launcher = Launcher(self.captured[depth].replay)
@@ -100,11 +107,12 @@ def capture(program: RoundProgram, st: DeviceState) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def capture_device_loop(program: RoundProgram, st: DeviceState, cond: ConditionKernel
-                        ) -> DeviceLoop:
+def capture_conditional(program: RoundProgram, st: DeviceState, cond: ConditionKernel,
+                        loop: bool) -> CondGraph:
     done = st.done.clone()
     st.done.fill_(1)
     _warm_up(program)
-    loop = DeviceLoop(program, st.done, st.round, cond)
+    pre, parts, post = program.segments()
+    graph = CondGraph(pre, parts, post, cond, (st.done, st.round) if loop else None)
     st.done.copy_(done)
-    return loop
+    return graph

@@ -11,8 +11,9 @@ is a `where(go, new, old)`: it commits nothing.
             accepted every draft), token at p with the target hidden of p − 1 (hidden_at …)
   depth j   one row at position draft_next, token y_j with the previous depth's hidden; with
             an adaptive policy (reference/depth.py) a control step on the device decides after
-            each depth ≥ 3 whether the next runs: a skipped depth runs its kernels with 0 live
-            rows (they return at once) and the verification width shrinks to 1 + drafts run
+            each depth ≥ 3 whether the next runs: a skipped depth runs nothing under conditional
+            graphs (iquestrt/cond_graph.py), its kernels with 0 live rows when launched eagerly,
+            and the verification width shrinks to 1 + drafts run
   target    [x_m, y_1 … y_D] at positions m … m+D; sample; verify (a accepted)
   settle    target caches keep positions < m+a+1 (written through m+D); the draft ring keeps
             < min(m+a+1, its next position); hidden ← the target's rows m … m+D; m ← m+a+1
@@ -21,6 +22,9 @@ Dimension letters: R rows, Db draft slots, W served width, V vocabulary, H hidde
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -55,8 +59,31 @@ def _positions(start: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.
     return torch.where(ar < n, start + ar, -1).to(torch.int32)  # [R]; padding −1
 
 
+@dataclass
+class _Carry:
+    """What a depth hands to the next: the last forward's logits [R, V] / hidden [R, H] and its
+    last live row, the next draft position, 1 while depths run, drafts run, control features.
+    Across a segment boundary nxt and n_d travel in fixed buffers (see RoundProgram.segments)."""
+
+    logits: torch.Tensor | None
+    hid: torch.Tensor | None
+    last: torch.Tensor | None
+    nxt: torch.Tensor  # [1] int32
+    one: torch.Tensor  # [1] int32
+    n_d: torch.Tensor  # [1] int32
+    feat: torch.Tensor  # [1, 3] fp32
+
+
 class RoundProgram:
-    """Callable: one round of fixed draft depth on `st` (see the module docstring)."""
+    """Callable: one round of fixed draft depth on `st` (see the module docstring).
+
+    segments(): the same round as separately capturable parts, for conditional graphs
+    (iquestrt/cond_graph.py): pre (depth 0 … min_depth − 1 and the control step deciding depth
+    min_depth), one part per later depth k (forward k, sample, control), post (target, verify,
+    settle). A depth part runs only when the previous control said so; nxt and n_d cross the
+    boundaries in the fixed buffers nxt_buf / nd_buf, so post reads right values whether the
+    depth parts ran or not. Fixed depth: one part. Calling the program runs the parts in order
+    (later depths gated by 0 live rows, or on the CPU skipped)."""
 
     def __init__(self, engine, st: DeviceState, req: GenerationRequest,
                  policy: FixedDepth | AdaptiveDepth):
@@ -69,58 +96,114 @@ class RoundProgram:
         self.q_ids = torch.full((rows - 1, width), -1, dtype=torch.int64, device=dev)
         self.q_probs = torch.zeros(rows - 1, width, dtype=torch.float32, device=dev)
         self.d_buf = torch.zeros(rows - 1, dtype=torch.int64, device=dev)  # [Db] drafts
+        self.nxt_buf = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.nd_buf = torch.zeros(1, dtype=torch.int32, device=dev)
+        lo = self.adaptive.min_depth if self.adaptive else self.depth
+        self.split = tuple(range(lo, self.depth)) if self.depth > 0 else ()  # skippable depths
+        self._carry: _Carry | None = None
+        self._stopped = False
 
     def __call__(self) -> None:
+        one = self.pre()
+        for k in self.split:
+            if self._stopped or (self._host_cpu and int(one[0]) == 0):
+                break  # CPU: a skipped depth runs nothing (the twins refuse 0 rows)
+            one = self.depth_part(k)
+        if not self._stopped:
+            self.post()
+
+    def segments(self) -> tuple[Callable[[], torch.Tensor], list, Callable[[], None]]:
+        """(pre, [(k, part k) …], post); pre and part k return the [1] int32 flag 'run the next
+        depth'."""
+        return self.pre, [(k, lambda k=k: self.depth_part(k)) for k in self.split], self.post
+
+    # --- the parts ------------------------------------------------------------------------------
+
+    def pre(self) -> torch.Tensor:
+        st, e = self.st, self.e
+        R, ar = st.rows, st.ar
+        go = 1 - st.done  # [1] int32
+        m = st.m
+        self._stopped = False
+        self.d_buf.zero_()
+        if self.split:  # rows a skipped depth part would leave from an earlier round
+            self.q_ids[self.split[0]:].fill_(-1)
+            self.q_probs[self.split[0]:].zero_()
+        c = (m - st.draft_next + 1) * go  # catch-up rows of depth 0
+        cy = _Carry(None, None, None, st.draft_next.clone(), go.clone(), torch.zeros_like(go),
+                    init_features(1, go.device))
+        if self.depth > 0:
+            src = (cy.nxt + ar).clamp(max=st.dump_slot).long()
+            hrow = (cy.nxt - 1 - st.hidden_at + ar).clamp(0, R - 1).long()
+            cy.logits, cy.hid = e.draft.forward_rows(st.tokens[src], st.hidden[hrow],
+                                                     _positions(cy.nxt, c, ar), Live.on_device(c),
+                                                     e.session.caches.draft)
+            st.record_fault(_finite_rows(cy.logits, c, ar), FAULT_DRAFT_LOGITS, 0, 0)
+            if self._host_stop():
+                self._stopped = True
+                return cy.one
+            cy.last = (c - 1).clamp(min=0).long()
+            cy.nxt = cy.nxt + c
+            self._steps(cy, 0, self.split[0] if self.split else self.depth)
+        self._hand_over(cy)
+        return cy.one
+
+    def depth_part(self, k: int) -> torch.Tensor:
+        cy = self._carry
+        cy.nxt, cy.n_d = self.nxt_buf, self.nd_buf
+        self._steps(cy, k, k + 1, forward_first=True)
+        self._hand_over(cy)
+        return cy.one
+
+    def _hand_over(self, cy: _Carry) -> None:
+        self.nxt_buf.copy_(cy.nxt)
+        self.nd_buf.copy_(cy.n_d)
+        self._carry = cy
+
+    def _steps(self, cy: _Carry, j0: int, j1: int, forward_first: bool = False) -> None:
+        """Depths j0 … j1−1: [forward of depth j,] sample its draft, control step."""
+        st, e, ops, req = self.st, self.e, self.e.ops, self.req
+        R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
+        for j in range(j0, j1):
+            if j > j0 or forward_first:
+                if self._host_cpu and int(cy.one[0]) == 0:
+                    return  # CPU: a skipped depth runs nothing
+                toks = torch.zeros(R, dtype=torch.int64, device=ar.device)
+                toks[:1] = self.d_buf[j - 1 : j]
+                hp = torch.zeros_like(cy.hid)
+                hp[:1] = cy.hid.index_select(0, cy.last)
+                cy.logits, cy.hid = e.draft.forward_rows(toks, hp, _positions(cy.nxt, cy.one, ar),
+                                                         Live.on_device(cy.one),
+                                                         e.session.caches.draft)
+                st.record_fault(_finite_rows(cy.logits, cy.one, ar), FAULT_DRAFT_LOGITS, j, 0)
+                if self._host_stop():
+                    self._stopped = True
+                    return
+                cy.last = torch.zeros_like(cy.last)
+                cy.nxt = cy.nxt + cy.one
+            row = cy.logits.index_select(0, cy.last)  # [1, V]: the depth's last row
+            out = ops.sample(row, req.sampling, req.seed, cy.nxt.long(), Purpose.DRAFT_SAMPLE,
+                             Live.on_device(cy.one))
+            live = cy.one > 0
+            y = torch.where(live, out.tokens[:1], 0)  # [1]
+            st.record_fault(live & ((y < 0) | (y >= vocab)), FAULT_TOKEN, j, y)
+            y = y.clamp(0, vocab - 1)
+            self.q_ids[j] = torch.where(live, out.ids[0], -1)
+            self.q_probs[j] = torch.where(live, out.probs[0], 0.0)
+            self.d_buf[j] = y[0]
+            cy.n_d = cy.n_d + cy.one
+            if j < self.depth - 1 and self.adaptive is not None:  # run depth j + 1?
+                cy.feat = push_features(cy.feat, *_served_features(out, y))
+                more = self.adaptive.more_batch(j + 1, cy.feat, self.table)
+                cy.one = cy.one * more.to(torch.int32)
+
+    def post(self) -> None:
         st, e, ops, req = self.st, self.e, self.e.ops, self.req
         R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
         caches = e.session.caches
-        go = 1 - st.done  # [1] int32
+        go = 1 - st.done
         m = st.m
-        self.d_buf.zero_()
-        c = (m - st.draft_next + 1) * go  # catch-up rows of depth 0
-        nxt = st.draft_next.clone()  # the next draft position to write
-        if self.depth > 0:
-            src = (nxt + ar).clamp(max=st.dump_slot).long()
-            hrow = (nxt - 1 - st.hidden_at + ar).clamp(0, R - 1).long()
-            logits, hid = e.draft.forward_rows(st.tokens[src], st.hidden[hrow],
-                                               _positions(nxt, c, ar), Live.on_device(c),
-                                               caches.draft)
-            st.record_fault(_finite_rows(logits, c, ar), FAULT_DRAFT_LOGITS, 0, 0)
-            if self._host_stop():
-                return
-            last = (c - 1).clamp(min=0).long()
-            nxt = nxt + c
-        one = go.clone()  # 1 while this depth runs
-        n_d = torch.zeros_like(go)  # drafts run
-        feat = init_features(1, go.device)
-        for j in range(self.depth):
-            row = logits.index_select(0, last)  # [1, V]: the depth's last row
-            out = ops.sample(row, req.sampling, req.seed, nxt.long(), Purpose.DRAFT_SAMPLE,
-                             Live.on_device(one))
-            y = torch.where(one > 0, out.tokens[:1], 0)  # [1]
-            st.record_fault((one > 0) & ((y < 0) | (y >= vocab)), FAULT_TOKEN, j, y)
-            y = y.clamp(0, vocab - 1)
-            self.q_ids[j], self.q_probs[j], self.d_buf[j] = out.ids[0], out.probs[0], y[0]
-            n_d = n_d + one
-            if j == self.depth - 1:
-                break
-            if self.adaptive is not None:  # the control step: run depth j + 2?
-                feat = push_features(feat, *_served_features(out, y))
-                more = self.adaptive.more_batch(j + 1, feat, self.table)
-                one = one * more.to(torch.int32)
-                if self._host_cpu and int(one[0]) == 0:
-                    break  # CPU: a skipped depth runs nothing (the twins refuse 0 rows)
-            toks = torch.zeros(R, dtype=torch.int64, device=y.device)
-            toks[:1] = y
-            hp = torch.zeros_like(hid)
-            hp[:1] = hid.index_select(0, last)
-            logits, hid = e.draft.forward_rows(toks, hp, _positions(nxt, one, ar),
-                                               Live.on_device(one), caches.draft)
-            st.record_fault(_finite_rows(logits, one, ar), FAULT_DRAFT_LOGITS, j + 1, 0)
-            if self._host_stop():
-                return
-            last = torch.zeros_like(last)
-            nxt = nxt + one
+        n_d, nxt = self.nd_buf, self.nxt_buf
         # target verification rows [x_m, y_1 … y_d], d = drafts run (adaptive: ≤ depth)
         n_t = (n_d + 1) * go
         toks = torch.cat([st.tokens[m.long()], self.d_buf])[:R]

@@ -4,8 +4,6 @@ true window (16, counting the current token)."""
 
 from __future__ import annotations
 
-import torch
-
 from negative_controls.control import Control
 from qualification import ring_gate
 
@@ -14,7 +12,7 @@ def _ring(**mutant):
     def run(mutated: bool):
         g = ring_gate.RingGateConfig()
         return ring_gate.check_case(
-            g.cases[0], g, torch.device("cpu"), **(mutant if mutated else {})
+            g.cases[0], g, ring_gate.gate_device(), **(mutant if mutated else {})
         )
 
     return run

@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((c.name, c.gate, "yes" if caught else "NO", evidence))
         print(
             f"[{i}/{len(controls)}] {c.name}: {'caught' if caught else 'NOT CAUGHT'} "
-            f"({time.perf_counter() - t0:.0f}s)",
+            f"({time.perf_counter() - t0:.0f}s)" + ("" if caught else f": {evidence[:300]}"),
             flush=True,
         )
     widths = [max(len(r[j]) for r in rows + [("control", "gate", "caught", "")]) for j in range(3)]

@@ -254,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         res = gate(q, models)
         res.seconds = time.perf_counter() - t0
         results.append(res)
+        print(f"      {res.verdict} in {res.seconds:.0f} s", flush=True)
     print(table(results))
     meta = {
         "revision": revision(),

@@ -85,9 +85,14 @@ def check_case(
                   f"worst rel err {worst:.1e} (tol {g.tol})"]
 
 
+def gate_device() -> torch.device:
+    """Compiled kernels on a GPU; on the CPU the interpreter (set by qualify)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def run(g: RingGateConfig | None = None) -> tuple[bool, list[str]]:
     g = g or RingGateConfig()
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = gate_device()
     ok, evidence = True, []
     for case in g.cases:
         good, ev = check_case(case, g, dev)

@@ -41,19 +41,25 @@ def _run(ck, req, on_round=None, on_tokens=None, **kw):
 # --- the WHILE node on a toy body ---------------------------------------------------------------
 
 
-def _toy(limit: int, max_iters: int, done_at: int | None = None):
-    """Body: round += 1 (torch), a Triton kernel copies round into seen[round]; done is set by
-    the body when round reaches done_at."""
+def _mark_kernel():
     import triton
     import triton.language as tl
-
-    from iquestrt.device_loop import ConditionKernel, DeviceLoop
 
     @triton.jit
     def _mark(round_ptr, seen_ptr):
         r = tl.load(round_ptr)
         tl.store(seen_ptr + r, r)
 
+    return _mark
+
+
+def _toy(limit: int, max_iters: int, done_at: int | None = None):
+    """Body: round += 1 (torch), a Triton kernel copies round into seen[round]; done is set by
+    the body when round reaches done_at."""
+    from iquestrt.cond_graph import CondGraph
+    from iquestrt.device_loop import ConditionKernel
+
+    mark = _mark_kernel()
     dev = torch.device("cuda")
     done = torch.zeros(1, dtype=torch.int32, device=dev)
     rnd = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -61,14 +67,15 @@ def _toy(limit: int, max_iters: int, done_at: int | None = None):
 
     def body():
         rnd.add_(1)
-        _mark[(1,)](rnd, seen)
+        mark[(1,)](rnd, seen)
         if done_at is not None:
             done.copy_((rnd >= done_at).to(torch.int32))
 
     body()  # compile outside the capture
-    rnd.zero_(), seen.fill_(-1), done.zero_()
-    loop = DeviceLoop(body, done, rnd, ConditionKernel.compile(dev))
-    rnd.zero_(), seen.fill_(-1), done.zero_()  # capture ran nothing, but start clean
+    loop = CondGraph(body, [], lambda: None, ConditionKernel.compile(dev), (done, rnd))
+    rnd.zero_()
+    seen.fill_(-1)
+    done.zero_()
     loop.launch(limit, max_iters)
     torch.cuda.synchronize()
     out = int(rnd[0]), seen.cpu().tolist(), int(loop.ctrl[1])
@@ -91,6 +98,57 @@ def test_while_node_is_bounded_by_max_iters():
     """A body that would never reach the limit (a bug) still ends after max_iters."""
     rnd, _, iters = _toy(limit=10**6, max_iters=9)
     assert rnd == 9 and iters == 9
+
+
+@pytest.mark.parametrize("looping", [False, True], ids=["round", "while"])
+def test_if_nodes_run_exactly_the_parts_asked_for(looping):
+    """pre → IF part 0 → IF part 1 → IF part 2 (nested), then post. `want` says how many parts
+    run; a skipped part's kernels must not execute (its hit counter stays), and nor may any
+    later part's even if its own flag would say run."""
+    from iquestrt.cond_graph import CondGraph
+    from iquestrt.device_loop import ConditionKernel
+
+    mark = _mark_kernel()
+    dev = torch.device("cuda")
+    want = torch.zeros(1, dtype=torch.int32, device=dev)
+    hits = torch.zeros(3, dtype=torch.int32, device=dev)
+    posts = torch.zeros(1, dtype=torch.int32, device=dev)
+    seen = torch.full((12,), -1, dtype=torch.int32, device=dev)  # part i marks 4i + hits[i]
+    skip_one = torch.zeros(1, dtype=torch.int32, device=dev)  # part 1's flag only
+    done = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def pre():
+        return (want >= 1).to(torch.int32)
+
+    def part(i):
+        hits[i : i + 1].add_(1)
+        mark[(1,)](hits[i : i + 1], seen[4 * i : 4 * i + 4])
+        flag = (want >= i + 2).to(torch.int32)
+        return flag if i != 1 else flag * (1 - skip_one)
+
+    def post():
+        posts.add_(1)
+
+    parts = [(i, lambda i=i: part(i)) for i in range(3)]
+    pre(), [p() for _, p in parts], post()  # compile outside the capture
+    g = CondGraph(pre, parts, post, ConditionKernel.compile(dev),
+                  (done, posts) if looping else None)
+    assert g.if_nodes == 3
+    for w, skip, expect in ((0, 0, [0, 0, 0]), (2, 0, [1, 1, 0]), (3, 0, [1, 1, 1]),
+                            (1, 0, [1, 0, 0]), (3, 1, [1, 1, 0])):
+        want.fill_(w)
+        skip_one.fill_(skip)
+        hits.zero_()
+        posts.zero_()
+        if looping:
+            g.launch(3, 3)  # posts counts rounds: three iterations
+        else:
+            g.launch_round()
+        torch.cuda.synchronize()
+        rounds = 3 if looping else 1
+        assert hits.cpu().tolist() == [e * rounds for e in expect], (w, skip)
+        assert int(posts[0]) == rounds
+    g.close()
 
 
 def test_bounded_wait_fails_instead_of_hanging():
