@@ -133,6 +133,20 @@ def _build() -> argparse.ArgumentParser:
     from iquestrt.experiment.main import add_experiment_arguments
 
     add_experiment_arguments(ex)
+
+    bn = sub.add_parser("bench", help="benchmarks on a GPU")
+    bsub = bn.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    br = bsub.add_parser(
+        "round",
+        help="per-rank IQuest-Q1 round benchmark vs its memory floor (one H200)",
+        description="One TP8 rank of the full model at real shapes with random E4M3 weights: "
+        "speculative rounds timed through the engine over widths, depths and contexts, against "
+        "the memory floor and a BF16 torch baseline; writes OUT/record.json, summary.md and "
+        "plots (benchmarks/rank/).",
+    )
+    from benchmarks.rank.main import add_arguments as add_bench_arguments
+
+    add_bench_arguments(br)
     return p
 
 
@@ -170,9 +184,16 @@ def _cmd_experiment(a) -> int:
     return run_from_args(a)
 
 
+def _cmd_bench(a) -> int:
+    from benchmarks.rank.main import run_from_args
+
+    return run_from_args(a, prog="iquestrt")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _build().parse_args(argv)
     handlers = {
+        "bench": _cmd_bench,
         "make-checkpoint": _cmd_make_checkpoint,
         "convert": _cmd_convert,
         "generate": _cmd_generate,

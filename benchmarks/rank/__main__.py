@@ -1,0 +1,3 @@
+from benchmarks.rank.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,169 @@
+"""The engine the benchmark times: iquestrt's Engine with the rank op table
+(benchmarks/rank/ops.py), a synthetic prefill, and a decode clock.
+
+Synthetic prefill of a context of C tokens (C random prompt ids, seeded): instead of running the
+target over the prompt, every target layer's cache gets K, V ~ N(0, 1) BF16 at the slots of the
+positions a real prefill leaves there (a full layer 0 … C−1; a ring the last window + pad
+positions), with their slot labels; the draft ring likewise for positions 1 … C−1 (the draft
+starts at 1). The last logits row [1, V] and the target's final hidden state of position C − 1
+([1, H]: the only row the first round reads) are random too. Everything after that is the
+engine's own path: Engine._finish_prefill samples the first token (its draft-prefill loop is
+empty because draft_next = C already), _prepare builds the device state and captures the round
+graph, _loop launches rounds and reads the log. Prefill, capture and the first-token sample
+stay outside the clock.
+
+Clock: CUDA events around Engine._loop (every round of the request, the host's log reads and the
+request's final settlement; on a CPU host wall time, for tests only), plus one event after each
+round when the launcher exposes `one_round` (host loop): the median interval between
+consecutive rounds is the steady-state round time (an interval that spans a log read includes
+that read; the rounds launched after the request ended, which run every kernel with 0 live
+rows, are left out).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from benchmarks.rank.ops import PEERS, make_rank_ops
+from iquestrt.config import RuntimeConfig
+from iquestrt.engine import Engine, Session
+from iquestrt.round import RoundProgram
+from iquestrt.weights import Weights
+from reference.config import SamplingDefaults
+from reference.kv_layout import LayerKV
+from reference.speculative import GenerationRequest
+
+
+def fill_cache(cache: LayerKV, n: int, g: torch.Generator) -> None:
+    """Positions start … n−1 as a prefill of n tokens leaves them: K, V ~ N(0, 1) where those
+    positions live (a ring keeps the last `capacity` of them), slots labelled."""
+    lay = cache.layout
+    lo = lay.start if not lay.ring else max(lay.start, n - lay.capacity)
+    if not lay.ring and n > lay.capacity:
+        raise ValueError(f"fill_cache: {n} positions exceed the full cache's {lay.capacity} slots")
+    if n <= lo:
+        return
+    pos = torch.arange(lo, n, device=cache.k.device)
+    slots = pos % lay.capacity if lay.ring else pos
+    if lay.ring:
+        cache.k.normal_(generator=g)
+        cache.v.normal_(generator=g)
+    else:
+        cache.k[lo:n].normal_(generator=g)
+        cache.v[lo:n].normal_(generator=g)
+    cache.slot_pos[slots] = pos.to(torch.int32)
+
+
+@dataclass
+class Timing:
+    loop_s: float  # Engine._loop wall time (CUDA events on a GPU)
+    rounds: int
+    round_gaps_s: list[float] = field(default_factory=list)  # consecutive-round intervals
+
+    @property
+    def per_round_s(self) -> float:
+        """Median round interval when per-round events exist, else loop time / rounds."""
+        if len(self.round_gaps_s) >= 3:
+            return statistics.median(self.round_gaps_s)
+        return self.loop_s / max(self.rounds, 1)
+
+
+class RankEngine(Engine):
+    def __init__(self, weights: Weights, rcfg: RuntimeConfig, table: torch.Tensor | None,
+                 seed: int = 0, peers: int = PEERS):
+        super().__init__(weights, rcfg, None)
+        self.ops = make_rank_ops(rcfg.ops, rcfg.device, rcfg.max_polls, weights, rcfg.max_width,
+                                 table, peers)
+        self.target.ops = self.draft.ops = self.ops
+        self.seed = seed
+        self.timing: Timing | None = None
+        # callable(engine, session) → rounds it ran, called once before the next _loop's clock
+        self.profile_hook = None
+        self.hook_rounds = 0  # rounds the last hook ran (their records come first)
+        self.step_span = (0, 0)  # route-table steps (mod T) before and after the last clock
+
+    def request(self, context: int, rounds: int, sampling: SamplingDefaults | None = None,
+                seed: int = 0) -> GenerationRequest:
+        """A request at `context` prompt tokens whose budget ends it after at most `rounds`
+        rounds (every round emits ≥ 1 token)."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + context)
+        prompt = torch.randint(0, self.cfg.target.vocab_size, (context,), generator=g)
+        return GenerationRequest(tuple(prompt.tolist()), rounds, sampling or self.cfg.sampling,
+                                 seed)
+
+    # --- synthetic prefill --------------------------------------------------------------------
+    def _generator(self, salt: int) -> torch.Generator:
+        g = torch.Generator(device=self.w.device)
+        g.manual_seed(self.seed * 7919 + salt)
+        return g
+
+    def _prefill_target(self, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
+        n, t, dev = len(st.tokens), self.cfg.target, self.w.device
+        g = self._generator(n)
+        for cache in st.caches.target:
+            fill_cache(cache, n, g)
+        st.caches.settle_target(self.ops, n, n)  # as the real prefill does (no-op rollback)
+        logits = torch.empty(1, t.vocab_size, device=dev).normal_(0.0, 2.0, generator=g)
+        hidden = torch.empty(1, t.hidden_size, dtype=torch.bfloat16, device=dev)
+        return logits, hidden.normal_(generator=g)  # hidden of position n − 1 only
+
+    def _finish_prefill(self, st: Session, last_logits: torch.Tensor, hidden: torch.Tensor):
+        n = len(st.tokens)
+        if self.rcfg.policy.max_depth > 0:
+            fill_cache(st.caches.draft, n, self._generator(n + 1))
+            st.caches.draft_next = n  # draft rows 1 … n−1 settled: the draft loop below is empty
+        return super()._finish_prefill(st, last_logits, hidden)
+
+    # --- clock --------------------------------------------------------------------------------
+    def _cuda(self) -> bool:
+        return self.w.device.type == "cuda"
+
+    def _prepare(self, st: Session, hidden: torch.Tensor):
+        launcher = super()._prepare(st, hidden)
+        if self._cuda() and getattr(launcher, "one_round", None) is not None:
+            inner, events = launcher.one_round, []
+
+            def one_round() -> None:
+                inner()
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                events.append(ev)
+
+            launcher.one_round = one_round
+            self._round_events = events
+        else:
+            self._round_events = []
+        return launcher
+
+    def _loop(self, st: Session, launcher, *args, **kwargs) -> None:
+        self.hook_rounds = 0
+        if self.profile_hook is not None:
+            hook, self.profile_hook = self.profile_hook, None
+            self.hook_rounds = hook(self, st)
+        first_round = len(st.result.rounds) + self.hook_rounds  # hook rounds are logged later
+        s0 = self.ops.steps_taken()
+        t0 = time.perf_counter()
+        if self._cuda():
+            torch.cuda.synchronize()
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+        super()._loop(st, launcher, *args, **kwargs)
+        if self._cuda():
+            end.record()
+            torch.cuda.synchronize()
+        rounds = len(st.result.rounds) - first_round
+        self.step_span = (s0, self.ops.steps_taken())
+        if not self._cuda():  # host wall time (twins / interpreter: not a performance figure)
+            self.timing = Timing(time.perf_counter() - t0, rounds)
+            return
+        ev = self._round_events[:rounds]  # later launches ran after the request ended (no-ops)
+        gaps = [a.elapsed_time(b) / 1e3 for a, b in zip(ev, ev[1:], strict=False)]
+        self.timing = Timing(start.elapsed_time(end) / 1e3, rounds, gaps)
+
+    def eager_round(self, st: Session) -> None:
+        """One real round of the request, launched eagerly (the profiler's round)."""
+        RoundProgram(self, st.device, st.req, self.rcfg.policy)()

@@ -1,0 +1,133 @@
+"""`python -m benchmarks.rank` / `iquestrt bench round`: arguments, checks, and the run.
+
+    python -m benchmarks.rank --out reports/benchmarks/rank-h200 [--quick]
+        [--widths 4 5 6 7 8] [--no-adaptive] [--contexts 1K 4K 16K 64K 128K 192K]
+        [--rounds 32] [--reps 1] [--baseline all|eager|compile|none] [--routing traces|uniform]
+
+Widths are verification rows per round (fixed draft depth = width − 1); the engine's row buffer
+is always 8 (one compiled kernel set and one graph shape family). Needs a CUDA GPU: without one
+it exits with status 2 and says so, before any work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+CONTEXTS = {"1K": 1024, "4K": 4096, "16K": 16384, "64K": 65536, "128K": 131072, "192K": 196608}
+WIDTHS = (4, 5, 6, 7, 8)
+BASELINES = ("all", "eager", "compile", "none")
+EXIT_USAGE = 2
+
+
+class BenchArgsError(ValueError):
+    """A benchmark option is out of range; the message names it and the allowed values."""
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    widths: tuple[int, ...] = WIDTHS
+    adaptive: bool = True
+    contexts: tuple[str, ...] = tuple(CONTEXTS)
+    rounds: int = 32  # token budget per timed request (≈ rounds: random weights accept ~0)
+    reps: int = 1  # timed requests per configuration
+    baseline: str = "all"
+    baseline_rounds: int = 6
+    routing: str = "traces"  # or "uniform"
+    mapping: str = "primary"  # benchmarks/rank/traces.py MODES
+    profile: str = "key"  # "all", "key" (first context × widths, width 6 × contexts), "none"
+    eager: bool = True  # also time eager launches (no graph) at the headline configuration
+    loop: str = "host"  # RuntimeConfig.loop for the graph runs: "host" or "device" (WHILE node)
+    seed: int = 0
+    headline_width: int = 6
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.widths if not (isinstance(w, int) and WIDTHS[0] <= w <= WIDTHS[-1])]
+        if bad or not self.widths:
+            raise BenchArgsError(f"--widths: {list(self.widths)}: each width must be an integer "
+                                 f"in {WIDTHS[0]}..{WIDTHS[-1]} (verification rows; depth = "
+                                 "width − 1)")
+        unknown = [c for c in self.contexts if c not in CONTEXTS]
+        if unknown or not self.contexts:
+            raise BenchArgsError(f"--contexts: unknown {unknown or 'empty list'}; choose from "
+                                 f"{list(CONTEXTS)}")
+        for name, lo, hi in (("rounds", 4, 4096), ("reps", 1, 100), ("baseline_rounds", 1, 100)):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and lo <= v <= hi):
+                raise BenchArgsError(f"--{name.replace('_', '-')}: {v!r} outside {lo}..{hi}")
+        for name, allowed in (("baseline", BASELINES), ("routing", ("traces", "uniform")),
+                              ("mapping", ("primary", "position")), ("loop", ("host", "device")),
+                              ("profile", ("all", "key", "none"))):
+            if getattr(self, name) not in allowed:
+                raise BenchArgsError(f"--{name}: {getattr(self, name)!r}; choose one of "
+                                     f"{list(allowed)}")
+
+    def context_tokens(self) -> list[int]:
+        return [CONTEXTS[c] for c in self.contexts]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SweepSpec()
+    p.add_argument("--out", type=Path, required=True, help="output folder (replaced atomically)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: context 1K, width 6, no adaptive, eager baseline only")
+    p.add_argument("--widths", type=int, nargs="+", default=list(d.widths),
+                   help="verification widths 4..8 (fixed draft depth = width − 1)")
+    p.add_argument("--no-adaptive", action="store_true", help="skip the adaptive-depth policy")
+    p.add_argument("--contexts", nargs="+", default=list(d.contexts),
+                   help=f"contexts, from {list(CONTEXTS)}")
+    p.add_argument("--rounds", type=int, default=d.rounds, help="token budget per timed request")
+    p.add_argument("--reps", type=int, default=d.reps, help="timed requests per configuration")
+    p.add_argument("--baseline", default=d.baseline,
+                   help=f"BF16 torch baseline variants: {list(BASELINES)}")
+    p.add_argument("--baseline-rounds", type=int, default=d.baseline_rounds)
+    p.add_argument("--routing", default=d.routing, help="traces (mini model) or uniform")
+    p.add_argument("--mapping", default=d.mapping, help="trace mapping: primary or position")
+    p.add_argument("--profile", default=d.profile, help="per-kernel breakdown: all, key, none")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager-launch timing")
+    p.add_argument("--loop", default=d.loop,
+                   help="graph runs: host (one replay per round; per-round events) or device "
+                        "(a WHILE graph node runs the request; round = loop time / rounds)")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def spec_from_args(a: argparse.Namespace) -> SweepSpec:
+    if a.quick:
+        return SweepSpec(widths=(6,), adaptive=False, contexts=("1K",), rounds=16, reps=1,
+                         baseline="eager" if a.baseline == "all" else a.baseline,
+                         baseline_rounds=3, routing=a.routing, mapping=a.mapping,
+                         profile="key" if a.profile != "none" else "none", eager=False,
+                         loop=a.loop, seed=a.seed)
+    return SweepSpec(widths=tuple(a.widths), adaptive=not a.no_adaptive,
+                     contexts=tuple(a.contexts), rounds=a.rounds, reps=a.reps,
+                     baseline=a.baseline, baseline_rounds=a.baseline_rounds, routing=a.routing,
+                     mapping=a.mapping, profile=a.profile, eager=not a.no_eager, loop=a.loop,
+                     seed=a.seed)
+
+
+def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank") -> int:
+    spec = spec_from_args(a)  # argument errors first, before any device check
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.stderr.write("bench round: needs a CUDA GPU (one H200 holds a TP8 rank: ~41 GB of "
+                         "E4M3 weights); torch.cuda.is_available() is False here\n")
+        return EXIT_USAGE
+    from benchmarks.rank.sweep import run_sweep
+
+    run_sweep(spec, a.out, " ".join([prog, *sys.argv[1:]]))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.rank",
+                                description=__doc__.split("\n")[0])
+    add_arguments(p)
+    a = p.parse_args(argv)
+    try:
+        return run_from_args(a)
+    except BenchArgsError as e:
+        sys.stderr.write(f"bench round: error: {e}\n")
+        return EXIT_USAGE

@@ -1,0 +1,155 @@
+"""The benchmark's op table: the engine's ops (kernels or twins) plus what one rank of a TP8
+deployment does that a single GPU would otherwise skip, with no change to engine or model code.
+
+1. Cross-rank reductions. Each target layer's o_proj partials and expert output are summed over
+   8 ranks by the attention / MoE tails, which read N partial buffers [N, R, H] with NaN
+   readiness (kernels/tails.py). Here the local producer writes the first S slots of a per-layer
+   buffer [S + 7, R, H] FP32 whose last 7 slots are peer partials written once at construction
+   (zeros: finite, so readiness passes, and x + 0 = x keeps the numbers of a single rank); the
+   tails read all S + 7, so a rank's reduction traffic (7 · n · H · 4 bytes per tail) is paid.
+   The draft's reductions are not emulated (its o_proj and MoE outputs are plain; 2 × 7 · n · H
+   · 4 bytes per depth, < 0.1 % of a round's bytes).
+2. Routing from traces. The target's router still runs inside the attention tail (its 3 MB of
+   FP32 weights are read), but the ids handed to the experts are the trace table's
+   (benchmarks/rank/traces.py): at the first MoE layer of each target forward one index_select
+   copies the next step's ids [L, R, K] into a fixed buffer and a device counter advances, so
+   the override is capturable and costs 3 small launches per forward. The router's weights
+   (not ids) are kept: they only scale expert outputs. The draft routes with its own router.
+Which layer a call belongs to is found from the identity of its weight tensor (o_proj weight,
+router, expert stack), never from call order.
+
+Dimension letters: S local split-K partials, P = 7 peers, R rows, H hidden, L MoE layers,
+K top-k, T table steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from iquestrt.ops import KernelOps, Live, TwinOps
+from iquestrt.weights import Fp8Linear, MoeWeights, Weights
+from kernels import linear as k_linear
+from kernels import moe as k_moe
+
+PEERS = 7  # the other ranks of TP8
+
+
+class RankOpsMixin:
+    """Put before KernelOps / TwinOps in the bases; call `attach` once before the first round."""
+
+    def attach(self, weights: Weights, rows: int, table: torch.Tensor | None,
+               peers: int = PEERS) -> None:
+        """table: [T, L, ≥rows, K] int32 trace ids (None: the router's own ids)."""
+        dev, h = weights.device, weights.cfg.target.hidden_size
+        self.peers = peers
+        self.o_layer: dict[int, int] = {}  # o_proj weight data_ptr → layer
+        self.attn_buf: dict[int, torch.Tensor] = {}  # layer → [S + P, R, H]
+        self.moe_layer: dict[int, int] = {}  # expert fc data_ptr → layer
+        self.moe_buf: dict[int, torch.Tensor] = {}  # layer → [1 + P, R, H]
+        self.router_layer: dict[int, int] = {}  # router data_ptr → layer
+        for layer in weights.layers:
+            o = layer.attn.o
+            s = self._local_splits(o)
+            self.o_layer[o.w.data_ptr()] = layer.index
+            self.attn_buf[layer.index] = self._buffer(s, rows, h, dev)
+            if layer.moe is not None:
+                self.moe_layer[layer.moe.fc.data_ptr()] = layer.index
+                self.router_layer[layer.moe.router.data_ptr()] = layer.index
+                self.moe_buf[layer.index] = self._buffer(1, rows, h, dev)
+        self.first_moe = min(self.router_layer.values(), default=None)
+        self.table = self.route = self.step = None
+        if table is not None:
+            n_moe = len(self.router_layer)
+            if table.dim() != 4 or table.shape[1] != n_moe or table.shape[2] < rows:
+                raise ValueError(f"route table: expected [T, {n_moe}, >= {rows}, K], got "
+                                 f"{tuple(table.shape)}")
+            t = table[:, :, :rows].contiguous().to(dev, torch.int32)  # [T, L, R, K]
+            self.table = t.reshape(t.shape[0], -1)  # [T, L·R·K]
+            self.route = torch.empty(1, self.table.shape[1], dtype=torch.int32, device=dev)
+            self.route_view = self.route.view(n_moe, rows, t.shape[3])  # [L, R, K]
+            self.step = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    def _buffer(self, local: int, rows: int, h: int, dev) -> torch.Tensor:
+        buf = torch.zeros(local + self.peers, rows, h, dtype=torch.float32, device=dev)
+        buf[:local] = float("nan")  # unwritten local slots read as NaN (readiness)
+        return buf
+
+    def steps_taken(self) -> int:
+        """Table steps consumed so far modulo T (a device read: outside any clock)."""
+        return int(self.step[0]) if self.step is not None else 0
+
+    # --- overrides ----------------------------------------------------------------------------
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
+        layer = self.o_layer.get(lin.w.data_ptr())
+        if layer is None:
+            return super().linear_fp8_partials(x, lin, live)
+        buf = self.attn_buf[layer]
+        self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers])
+        return buf  # [S + P, R, H]: the attention tail sums all of them
+
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+        layer = self.moe_layer.get(m.fc.data_ptr())
+        if layer is None:
+            return super().moe(x, weights, ids, m, live, out_dtype)
+        buf = self.moe_buf[layer]
+        self._moe_into(x, weights, ids, m, live, buf[0])
+        return buf[0]  # the model passes f[None]: a view starting at buf's first byte
+
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale):
+        for buf in self.moe_buf.values():
+            if buf.data_ptr() == parts.data_ptr() and parts.shape[0] == 1:
+                parts = buf  # [1 + P, R, H]
+                break
+        return super().moe_tail(parts, h, next_norm, live, flag, eps=eps,
+                                ffn_out_scale=ffn_out_scale)
+
+    def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
+                  attn_out_scale, router_w=None, top_k=0):
+        out = super().attn_tail(parts, xn, attn_out_norm, ffn_norm, live, flag, eps=eps,
+                                attn_out_scale=attn_out_scale, router_w=router_w, top_k=top_k)
+        layer = None if router_w is None else self.router_layer.get(router_w.data_ptr())
+        if layer is None or self.table is None:
+            return out
+        if layer == self.first_moe:
+            torch.index_select(self.table, 0, self.step, out=self.route)
+            self.step.add_(1).remainder_(self.table.shape[0])
+        out.ids = self.route_view[layer - self.first_moe]
+        return out
+
+
+class RankKernelOps(RankOpsMixin, KernelOps):
+    name = "rank-kernels"
+
+    def _local_splits(self, lin: Fp8Linear) -> int:
+        n, k = lin.w.shape
+        return k_linear.linear_fp8_splits(n, k)
+
+    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
+        k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out)
+
+    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor) -> None:
+        k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t, out=out,
+                      out_dtype=torch.float32)
+
+
+class RankTwinOps(RankOpsMixin, TwinOps):
+    name = "rank-twins"
+
+    def _local_splits(self, lin: Fp8Linear) -> int:
+        return 1  # the twin is one GEMM
+
+    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
+        out.copy_(TwinOps.linear_fp8_partials(self, x, lin, live))
+
+    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor) -> None:
+        out.copy_(TwinOps.moe(self, x, weights, ids, m, live, torch.float32))
+
+
+def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: int,
+                  table: torch.Tensor | None, peers: int = PEERS):
+    kinds = {"kernels": RankKernelOps, "twins": RankTwinOps}
+    if backend not in kinds:
+        raise ValueError(f"ops: unknown backend {backend!r}; choose one of {sorted(kinds)}")
+    ops = kinds[backend](torch.device(device), max_polls)
+    ops.attach(weights, rows, table, peers)
+    return ops
