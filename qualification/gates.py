@@ -17,12 +17,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 PASS, FAIL, NOT_BUILT = "pass", "FAIL", "not built"
+GPU_ONLY = "GPU only"  # a gate of GPU mechanisms on a CPU machine: not run, never a pass
 
 
 @dataclass
 class GateResult:
     gate: str
-    verdict: str  # PASS | FAIL | NOT_BUILT
+    verdict: str  # PASS | FAIL | NOT_BUILT | GPU_ONLY
     margin: str  # e.g. "41% of band", "p = 0.37 (alpha 1e-3)"
     evidence: list[str] = field(default_factory=list)
     seconds: float = 0.0

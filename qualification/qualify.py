@@ -32,11 +32,13 @@ from qualification import (
     ring_gate,
     runtime_gate,
     sampler_gate,
+    schedule_gate,
     stability,
     width_gate,
 )
 from qualification.gates import (
     FAIL,
+    GPU_ONLY,
     NOT_BUILT,
     PASS,
     GateResult,
@@ -141,6 +143,13 @@ def gate_prefetch(q: QualifyConfig, models) -> GateResult:
     return GateResult("3d prefetch on vs off", PASS if ok else FAIL, margin, evidence)
 
 
+def gate_schedule(q: QualifyConfig, models) -> GateResult:
+    """Eager = graph = device loop, log intervals, streaming, rerun: bit for bit (GPU)."""
+    ok, margin, evidence = schedule_gate.run()
+    verdict = GPU_ONLY if ok is None else PASS if ok else FAIL
+    return GateResult("3e scheduling pairs (GPU)", verdict, margin, evidence)
+
+
 def gate_engine_caches(q: QualifyConfig, models) -> GateResult:
     """After every round the engine's caches equal caches that never saw a rejected row."""
     ok, margin, evidence = engine_cache_gate.run()
@@ -229,6 +238,7 @@ GATES: tuple[Callable, ...] = (
     gate_bitexact_runtime,
     gate_width,
     gate_prefetch,
+    gate_schedule,
     gate_rings,
     gate_engine_caches,
     gate_distribution,
@@ -264,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": environment(),
     }
     json_path, md_path = write_reports(q.out, results, meta)
-    built = [r for r in results if r.verdict != NOT_BUILT]
-    print(f"{len(built)} of {len(results)} gates built; reports: {json_path}, {md_path}")
+    built = [r for r in results if r.verdict not in (NOT_BUILT, GPU_ONLY)]
+    print(f"{len(built)} of {len(results)} gates built and run here; reports: {json_path}, "
+          f"{md_path}")
     return 1 if any(r.verdict == FAIL for r in results) else 0
 
 

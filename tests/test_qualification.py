@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from qualification import goldens
 from qualification.gates import FAIL, PASS, GateResult, write_reports
@@ -152,3 +153,25 @@ def test_per_layer_report_localizes_a_defect(tmp_path):
     bad = _per_layer(eng, ref, toks)
     assert [r[2] for r in bad[:4]] == [r[2] for r in base[:4]]
     assert bad[4][2] > 3 * base[4][2] and bad[4][2] > 0.3
+
+
+def test_schedule_gate_is_gpu_only_and_never_a_cpu_pass(monkeypatch):
+    """On a machine without a GPU the scheduling-pairs gate reports 'GPU only' (not a pass, not a
+    failure); qualify's exit status ignores it."""
+    from qualification import qualify, schedule_gate
+    from qualification.gates import GPU_ONLY
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ok, margin, ev = schedule_gate.run()
+    assert ok is None and "needs a CUDA GPU" in ev[0]
+    res = qualify.gate_schedule(None, None)
+    assert res.verdict == GPU_ONLY
+
+
+@pytest.mark.gpu
+def test_schedule_gate_passes_on_the_gpu():
+    from qualification import schedule_gate
+
+    ok, _, ev = schedule_gate.run()
+    assert ok is True, ev
+    assert len(ev) == 2 and all("variants identical" in e for e in ev)
