@@ -54,6 +54,28 @@ class DraftModel:
         eh = torch.empty(rows, 2 * h_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
         ops.norm_rows(e, d.enorm, live, eps, y_out=eh[:, :h_size])
         ops.norm_rows(hprev, d.hnorm, live, eps, y_out=eh[:, h_size:])
+        return self._body(eh, pos, live, cache)
+
+    def forward_entry(self, tokens_src: torch.Tensor, tok_base, tok_max: int,
+                      hid_src: torch.Tensor, hid_base, pos_base, live: Live, cache):
+        """forward_rows with its operands built by one entry launch (kernels/draft_entry.py):
+        row r < n takes token tokens_src[clamp(tok_base + r, 0, tok_max)] [P] (id clamped to
+        [0, V − 1]) and hprev hid_src[clamp(hid_base + r, 0, S − 1)] [S, H] at position
+        pos_base + r. The bases are device [1] tensors or host ints (capturable: no host
+        reads). → (logits [R, V] FP32, hidden [R, H] bf16, pos [R] int32, padding −1)."""
+        d, t = self.w.draft, self.t
+        rows, dev = self.width, self.w.device
+        eh = torch.empty(rows, 2 * t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
+        pos = torch.empty(rows, dtype=torch.int32, device=dev)  # [R]
+        self.ops.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live,
+                             d.embed, d.enorm, d.hnorm, t.rms_norm_eps, eh, pos)
+        logits, hidden = self._body(eh, pos, live, cache)
+        return logits, hidden, pos
+
+    def _body(self, eh: torch.Tensor, pos: torch.Tensor, live: Live, cache):
+        """eh [R, 2H] bf16 (live rows) → (logits [R, V] FP32, hidden [R, H] bf16)."""
+        d, ops, t = self.w.draft, self.ops, self.t
+        eps = t.rms_norm_eps
         x = ops.linear_bf16_f32(eh, d.eh_proj, live, torch.bfloat16)  # [R, H]
         aw = d.attn
         _, xn = ops.norm_rows(x, aw.attention_norm, live, eps)

@@ -29,6 +29,7 @@ import torch.nn.functional as F_
 
 from iquestrt.weights import Fp8Linear, MoeWeights
 from kernels import attention as k_attention
+from kernels import draft_entry as k_entry
 from kernels import kv_cache as k_kv
 from kernels import linear as k_linear
 from kernels import moe as k_moe
@@ -82,6 +83,11 @@ def _padded(live_rows: torch.Tensor, rows: int, device, fill=NAN) -> torch.Tenso
     out = torch.full((rows, *live_rows.shape[1:]), fill, dtype=live_rows.dtype, device=device)
     out[: live_rows.shape[0]] = live_rows.to(device)
     return out
+
+
+def _host_int(x) -> int:
+    """A base scalar of draft_entry (host int or device [1] tensor) as a host int (twins)."""
+    return x if isinstance(x, int) else int(x.reshape(-1)[0])
 
 
 class DequantCache:
@@ -219,6 +225,22 @@ class TwinOps:
                 y[r : r + 1] = ref_ops.rms_norm(s_r, w, eps, y.dtype)
         return s_out, y
 
+    def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                    live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
+        """The composition the entry launch replaces: gather with the launch's clamps (token
+        slot to [0, tok_max], token id to [0, V − 1], hidden row to [0, S − 1]), embed, the two
+        norm_rows twins into eh_out's halves (live rows only), pos = base + r or −1."""
+        rows, h_size = eh_out.shape[0], embed.shape[1]
+        ar = torch.arange(rows, device=tokens_src.device)  # [R]
+        src = (_host_int(tok_base) + ar).clamp(0, tok_max)
+        tok = tokens_src[src].clamp(0, embed.shape[0] - 1)  # [R]
+        hrow = (_host_int(hid_base) + ar).clamp(0, hid_src.shape[0] - 1).to(hid_src.device)
+        self.norm_rows(embed[tok.to(embed.device)], enorm, live, eps, y_out=eh_out[:, :h_size])
+        self.norm_rows(hid_src[hrow], hnorm, live, eps, y_out=eh_out[:, h_size:])
+        ar = ar.to(pos_out.device)
+        pos_out.copy_(torch.where(ar < live.n, _host_int(pos_base) + ar, -1))
+        return eh_out, pos_out
+
     def silu_mul_rows(self, g, u, live: Live):
         act = _rows(live.n, lambda r: (F_.silu(g[r : r + 1].float())
                                        * u[r : r + 1].float()).to(torch.bfloat16))
@@ -305,6 +327,11 @@ class KernelOps:
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):
         return k_rows.norm_rows(a, w, live.t, eps, b=b, wb=wb, sum_dtype=sum_dtype,
                                 store_sum=store_sum, y_out=y_out, y_dtype=y_dtype)
+
+    def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                    live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
+        return k_entry.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
+                                   live.t, embed, enorm, hnorm, eps, eh_out, pos_out)
 
     def silu_mul_rows(self, g, u, live: Live):
         return k_rows.silu_mul_rows(g, u, live.t)

@@ -121,7 +121,7 @@ class RoundProgram:
 
     def pre(self) -> torch.Tensor:
         st, e = self.st, self.e
-        R, ar = st.rows, st.ar
+        ar = st.ar
         go = 1 - st.done  # [1] int32
         m = st.m
         self._stopped = False
@@ -133,11 +133,11 @@ class RoundProgram:
         cy = _Carry(None, None, None, st.draft_next.clone(), go.clone(), torch.zeros_like(go),
                     init_features(1, go.device))
         if self.depth > 0:
-            src = (cy.nxt + ar).clamp(max=st.dump_slot).long()
-            hrow = (cy.nxt - 1 - st.hidden_at + ar).clamp(0, R - 1).long()
-            cy.logits, cy.hid = e.draft.forward_rows(st.tokens[src], st.hidden[hrow],
-                                                     _positions(cy.nxt, c, ar), Live.on_device(c),
-                                                     e.session.caches.draft)
+            # one entry launch: token at p (slots clamp at the dump slot), the target hidden
+            # of p − 1 (row p − 1 − hidden_at of st.hidden), positions
+            cy.logits, cy.hid, _ = e.draft.forward_entry(
+                st.tokens, cy.nxt, st.dump_slot, st.hidden, cy.nxt - 1 - st.hidden_at, cy.nxt,
+                Live.on_device(c), e.session.caches.draft)
             st.record_fault(_finite_rows(cy.logits, c, ar), FAULT_DRAFT_LOGITS, 0, 0)
             if self._host_stop():
                 self._stopped = True
@@ -168,13 +168,10 @@ class RoundProgram:
             if j > j0 or forward_first:
                 if self._host_cpu and int(cy.one[0]) == 0:
                     return  # CPU: a skipped depth runs nothing
-                toks = torch.zeros(R, dtype=torch.int64, device=ar.device)
-                toks[:1] = self.d_buf[j - 1 : j]
-                hp = torch.zeros_like(cy.hid)
-                hp[:1] = cy.hid.index_select(0, cy.last)
-                cy.logits, cy.hid = e.draft.forward_rows(toks, hp, _positions(cy.nxt, cy.one, ar),
-                                                         Live.on_device(cy.one),
-                                                         e.session.caches.draft)
+                # one row: draft y_j (d_buf[j − 1]) with the previous depth's last hidden
+                cy.logits, cy.hid, _ = e.draft.forward_entry(
+                    self.d_buf, j - 1, R - 2, cy.hid, cy.last, cy.nxt, Live.on_device(cy.one),
+                    e.session.caches.draft)
                 st.record_fault(_finite_rows(cy.logits, cy.one, ar), FAULT_DRAFT_LOGITS, j, 0)
                 if self._host_stop():
                     self._stopped = True

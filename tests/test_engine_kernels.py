@@ -146,6 +146,15 @@ class Lockstep:
                           "bf16" if g.dtype == torch.bfloat16 else "fp32")
         return got
 
+    def draft_entry(self, *a):
+        eh, pos = a[-2], a[-1]
+        got = self.k.draft_entry(*a)
+        want = self.t.draft_entry(*a[:-2], eh.clone(), pos.clone())
+        n = a[6].n
+        self._cmp(got[0][:n], want[0][:n], "kernels.rows.norm", "bf16")
+        assert torch.equal(got[1], want[1]), "draft_entry positions differ from the twin"
+        return got
+
     def silu_mul_rows(self, g, u, live):
         got = self.k.silu_mul_rows(g, u, live)
         self._cmp(got[: live.n], self.t.silu_mul_rows(g, u, live)[: live.n], "kernels.rows.silu",
