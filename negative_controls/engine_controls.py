@@ -50,20 +50,23 @@ def draft_depth_state_not_advanced():
 
     def call(self):
         draft = self.e.draft
-        real_forward = draft.forward_rows
-        inputs = []  # (tokens [R], hprev [R, H]) of each draft forward of this round
+        real_entry = draft.forward_entry
+        inputs = []  # (tokens_src, tok_base, tok_max, hid_src, hid_base) of each depth's entry
 
-        def forward_rows(tokens, hprev, *rest, **kw):
-            inputs.append((tokens, hprev))
-            if len(inputs) >= 3:  # depth ≥ 2: depth 1's input row again
-                tokens, hprev = inputs[1]
-            return real_forward(tokens, hprev, *rest, **kw)
+        def forward_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, *rest, **kw):
+            inputs.append((tokens_src, tok_base, tok_max, hid_src, hid_base))
+            if len(inputs) >= 3:  # depth ≥ 2: depth 1's token and hidden again
+                tokens_src, tok_base, tok_max, hid_src, hid_base = inputs[1]
+            return real_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, *rest, **kw)
 
-        draft.forward_rows = forward_rows  # instance attribute, shadows the method
+        draft.forward_entry = forward_entry  # instance attribute, shadows the method
         try:
             real_call(self)
         finally:
-            del draft.forward_rows
+            del draft.forward_entry
+        if self.depth > 0 and not inputs:
+            raise RuntimeError("draft_depth_state_not_advanced: the round never called "
+                               "DraftModel.forward_entry; the mutation no longer reaches the draft")
 
     with _patched(RoundProgram, __call__=call):
         yield

@@ -4,8 +4,15 @@ differing round named. Updating them is explicit and records why:
     python -m qualification.goldens --update --why "new synthetic weight scales (issue 2)"
 
 Digests cover output tokens, per-round drafts, acceptance counts and bonus flags — the values a
-scheduling change must preserve. Logit bits are left out on purpose: the CPU GEMM kernels may
-differ between machines, tokens and acceptance decisions do not unless a near-tie flips.
+scheduling change must preserve. Logit bits are left out on purpose, but the tokens still depend
+on the float kernels of the torch build and the CPU: the H200 host (torch 2.11, another CPU)
+produced other digests than the CI machines (torch 2.13). So the file keeps the primary goldens
+(`cases`, recorded on `platform`) and optional per-platform entries; a run compares against its
+own platform's entry when there is one, else against the primary, and a mismatch on another
+platform says so and names the command that records that platform's goldens (explicit, with a
+reason, like every update):
+
+    python -m qualification.goldens --update --this-platform --why "H200 host, torch 2.11"
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import platform
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +99,32 @@ def compare(got: dict[str, dict], want: dict[str, dict]) -> list[str]:
     return problems
 
 
+def platform_key() -> str:
+    """What the digests depend on beyond the code: the torch build and the CPU's vector ISA."""
+    import torch
+
+    return (f"torch {torch.__version__} / {torch.backends.cpu.get_cpu_capability()} / "
+            f"{platform.machine()}")
+
+
+def expected(stored: dict, key: str) -> tuple[dict, str]:
+    """(cases to compare with, where they come from) for platform `key`."""
+    own = stored.get("platforms", {}).get(key)
+    if own is not None:
+        return own["cases"], f"this platform's entry ({key})"
+    return stored["cases"], f"primary goldens (recorded on {stored.get('platform', 'unrecorded')})"
+
+
+def hint(stored: dict, key: str) -> str | None:
+    """A line for a mismatch on a platform other than the primary's, else None."""
+    if key in stored.get("platforms", {}) or stored.get("platform") == key:
+        return None
+    return (f"this platform ({key}) is not the primary's ({stored.get('platform', 'unrecorded')})"
+            ": CPU float kernels may differ between torch builds and processors; if the "
+            "difference is the platform's, record it with `python -m qualification.goldens "
+            "--update --this-platform --why \"…\"`")
+
+
 def load() -> dict:
     if not GOLDEN_FILE.is_file():
         raise FileNotFoundError(f"{GOLDEN_FILE}: no goldens; create them with --update --why")
@@ -101,19 +135,37 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qualification.goldens", description=__doc__)
     ap.add_argument("--update", action="store_true", help="recompute and store the goldens")
     ap.add_argument("--why", help="required with --update: the reason, stored in the file")
+    ap.add_argument("--this-platform", action="store_true",
+                    help="with --update: store an entry for this platform only (the primary "
+                         "goldens stay)")
     a = ap.parse_args(argv)
-    got = digests()
+    if a.this_platform and not a.update:
+        ap.error("--this-platform applies to --update")
+    got, key = digests(), platform_key()
     if a.update:
         if not a.why:
             ap.error("--update needs --why")
-        history = load().get("history", []) if GOLDEN_FILE.is_file() else []
+        stored = load() if GOLDEN_FILE.is_file() else {}
+        history = stored.get("history", []) + [f"{key}: {a.why}"]
+        if a.this_platform:
+            if "cases" not in stored:
+                ap.error("--this-platform needs primary goldens first (--update without it)")
+            platforms = {**stored.get("platforms", {}), key: {"cases": got, "why": a.why}}
+            payload = {**stored, "platforms": platforms, "history": history}
+        else:
+            payload = {**stored, "cases": got, "platform": key, "history": history}
         GOLDEN_FILE.parent.mkdir(exist_ok=True)
-        payload = {"cases": got, "history": history + [a.why]}
-        GOLDEN_FILE.write_text(json.dumps(payload, indent=1) + "\n")
-        print(f"updated {GOLDEN_FILE} ({len(got)} cases): {a.why}")
+        tmp = GOLDEN_FILE.with_suffix(".tmp")
+        tmp.write_text(json.dumps(payload, indent=1) + "\n")
+        tmp.replace(GOLDEN_FILE)
+        print(f"updated {GOLDEN_FILE} ({len(got)} cases, {key}): {a.why}")
         return 0
-    problems = compare(got, load()["cases"])
-    print("\n".join(problems) or "goldens match")
+    stored = load()
+    want, where = expected(stored, key)
+    problems = compare(got, want)
+    if problems and hint(stored, key):
+        problems.append(hint(stored, key))
+    print("\n".join(problems) or f"goldens match ({where})")
     return 1 if problems else 0
 
 

@@ -112,15 +112,21 @@ def gate_goldens(q: QualifyConfig, models) -> GateResult:
     first = goldens.digests(models)
     again = goldens.digests(models)
     evidence = [f"rerun: {p}" for p in goldens.compare(again, first)]
+    where = ""
     try:
-        stored = goldens.load()["cases"]
-        evidence += [f"golden: {p}" for p in goldens.compare(first, stored)]
+        stored, key = goldens.load(), goldens.platform_key()
+        want, where = goldens.expected(stored, key)
+        diff = [f"golden: {p}" for p in goldens.compare(first, want)]
+        evidence += diff
+        if diff and goldens.hint(stored, key):
+            evidence.append(goldens.hint(stored, key))
     except FileNotFoundError as e:
         evidence.append(str(e))
     n = len(first)
     verdict = FAIL if evidence else PASS
     if not evidence:
-        evidence.append(f"{n} cases: rerun identical, goldens match ({goldens.GOLDEN_FILE.name})")
+        evidence.append(f"{n} cases: rerun identical, goldens match ({goldens.GOLDEN_FILE.name}, "
+                        f"{where})")
     return GateResult("3 bit-exactness (reference CPU)", verdict, f"{n} cases", evidence)
 
 

@@ -104,14 +104,13 @@ def test_sampler_gate_fails_a_sampler_keyed_without_position(monkeypatch):
     ],
 )
 def test_ring_gate_catches_ring_mutants(mutant, message):
-    import torch
 
     from qualification import ring_gate
 
-    g = ring_gate.RingGateConfig()
-    ok, evidence = ring_gate.check_case(g.cases[0], g, torch.device("cpu"))
+    g, dev = ring_gate.RingGateConfig(), ring_gate.gate_device()
+    ok, evidence = ring_gate.check_case(g.cases[0], g, dev)
     assert ok, evidence
-    ok, evidence = ring_gate.check_case(g.cases[0], g, torch.device("cpu"), **mutant)
+    ok, evidence = ring_gate.check_case(g.cases[0], g, dev, **mutant)
     assert not ok and message in evidence[0], evidence
 
 
@@ -120,7 +119,7 @@ def test_runtime_gate_passes_and_fails_a_runtime_without_sinks(monkeypatch):
     from qualification import runtime_gate
 
     cfg = runtime_gate.RuntimeGateConfig(prompts=1)
-    ok, margin, evidence = runtime_gate.run(cfg)
+    ok, margin, evidence = runtime_gate.run(cfg, ops="twins")  # the CPU twins on any machine
     assert ok and margin.startswith("bit-exact"), evidence
     real = rt_ops.TwinOps.attention
 
@@ -128,7 +127,7 @@ def test_runtime_gate_passes_and_fails_a_runtime_without_sinks(monkeypatch):
         return real(self, q, cache, positions, live, None, scale)
 
     monkeypatch.setattr(rt_ops.TwinOps, "attention", no_sink)
-    ok, margin, evidence = runtime_gate.run(cfg)
+    ok, margin, evidence = runtime_gate.run(cfg, ops="twins")
     assert not ok and "NOT bit-exact" in evidence[0], evidence
 
 
@@ -175,3 +174,28 @@ def test_schedule_gate_passes_on_the_gpu():
     ok, _, ev = schedule_gate.run()
     assert ok is True, ev
     assert len(ev) == 2 and all("variants identical" in e for e in ev)
+
+
+def test_goldens_are_keyed_by_platform(tmp_path, monkeypatch, capsys):
+    """A platform with its own entry compares against it; another platform compares against the
+    primary and, on a mismatch, is told why and how to record its own (never silently)."""
+    stored = {"cases": {"a": {"tokens": "t", "rounds": ["r0"]}}, "platform": "P",
+              "platforms": {"Q": {"cases": {"a": {"tokens": "u", "rounds": ["q0"]}}, "why": "w"}}}
+    assert goldens.expected(stored, "Q") == (stored["platforms"]["Q"]["cases"],
+                                             "this platform's entry (Q)")
+    assert goldens.expected(stored, "R")[0] is stored["cases"]
+    assert goldens.hint(stored, "P") is None and goldens.hint(stored, "Q") is None
+    assert "--this-platform" in goldens.hint(stored, "R")
+    # the command: a foreign platform's entry is added next to the primary, which stays
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(stored))
+    monkeypatch.setattr(goldens, "GOLDEN_FILE", path)
+    fake = {"a": {"tokens": "v", "rounds": ["x0"]}}
+    monkeypatch.setattr(goldens, "digests", lambda models=None: fake)
+    monkeypatch.setattr(goldens, "platform_key", lambda: "R")
+    assert goldens.main([]) == 1
+    assert "--this-platform" in capsys.readouterr().out
+    assert goldens.main(["--update", "--this-platform", "--why", "test"]) == 0
+    new = json.loads(path.read_text())
+    assert new["cases"] == stored["cases"] and new["platforms"]["R"]["cases"] == fake
+    assert goldens.main([]) == 0
