@@ -208,8 +208,11 @@ def bench_one(spec: Spec, reps: int, trials: int, warmup: int, config=None,
     return row
 
 
-SWEEP = ({"num_warps": 4}, {"num_warps": 16}, {"block_e": 2}, {"block_e": 8},
-         {"block_k": 256}, {"block_k": 64})
+SWEEP = ({"num_warps": 4}, {"num_warps": 16})  # both tails
+SWEEP_ROUTER = ({"block_e": 2}, {"block_e": 8}, {"block_k": 256}, {"block_k": 64},
+                {"block_k": 512}, {"block_k": 512, "block_e": 2},
+                {"block_k": 1024, "block_e": 2}, {"unroll_k": True},
+                {"unroll_k": True, "block_k": 256}, {"unroll_k": True, "block_e": 2})
 
 
 def main(argv=None) -> list[dict]:
@@ -245,7 +248,7 @@ def main(argv=None) -> list[dict]:
         for tail in ("attn+router", "moe"):
             spec = Spec(tail, 6, 8, router_copies=args.router_copies)
             base = tail_launch(spec.hidden, spec.experts if spec.router else 0)
-            for change in SWEEP:
+            for change in SWEEP + (SWEEP_ROUTER if tail == "attn+router" else ()):
                 cfg = replace(base, **change)
                 row = bench_one(spec, args.reps, args.trials, args.warmup, cfg, with_torch=False)
                 row["sweep"] = change

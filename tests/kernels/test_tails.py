@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail
+from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail, tail_launch
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.config import preset
@@ -239,6 +239,49 @@ def test_real_shape_matches_twins_gpu(n_live, device):
     report(case.name, run_case(case, 50 + n_live, device), t0)
     report(case.name + "-gauss-N1", run_case(replace(case, npart=1, experts=0, top_k=0,
                                                      grid=False), 60 + n_live, device), t0)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.experts], ids=lambda c: c.name)
+def test_unrolled_router_poll(case, device):
+    """TailLaunch.unroll_k polls the whole router input per poll and reduces the products once:
+    h and f_in are the default launch's bits, the logits stay within the router's tolerance row
+    of the twin and the ids/weights follow ops.route on them (check_routing), and the scratch
+    invariant is restored."""
+    d_cpu = make_inputs(case, 70 + CASES.index(case))
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    n = case.n_live
+    ref, _, _, _, _ = run_attn(case, d, device, base)
+    out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, unroll_k=True))
+    assert flag.item() == 0
+    assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
+    for a, b in ((out.h, ref.h), (out.f_in, ref.f_in)):
+        assert torch.equal(a.cpu()[:n].view(torch.int16), b.cpu()[:n].view(torch.int16))
+    check_routing(case, out, scratch.logits.cpu()[:n], twin_logits(case, d_cpu),
+                  twin_attn(case, d_cpu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("change", [dict(unroll_k=True), dict(block_k=512),
+                                    dict(block_k=512, block_e=2), dict(block_k=1024, block_e=2),
+                                    dict(unroll_k=True, block_k=256)],
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+def test_router_launch_variants_at_the_real_shape_gpu(change, device):
+    """The router launch configurations bench_tails --sweep times, checked first: 6 of 8 rows,
+    N = 8, H 3072, E 256, K 8 — logits within the router row of the twin, ids/weights exact on
+    them, h/f_in unchanged."""
+    case = replace(REAL, name="real-6of8-N8", n_live=6)
+    d_cpu = make_inputs(case, 80)
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    ref, _, _, _, _ = run_attn(case, d, device, base)
+    out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, **change))
+    assert flag.item() == 0
+    assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
+    for a, b in ((out.h, ref.h), (out.f_in, ref.f_in)):
+        assert torch.equal(a.cpu()[:6].view(torch.int16), b.cpu()[:6].view(torch.int16))
+    check_routing(case, out, scratch.logits.cpu()[:6], twin_logits(case, d_cpu),
+                  twin_attn(case, d_cpu))
 
 
 def test_padded_width_is_bit_identical(device):
@@ -571,14 +614,15 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
               "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router in (True, False):  # fp32 partials with polls; bf16 partials without
-        parts = "*fp32" if router else bf
-        stats[f"attn_router{router}"] = build(
+    for router, unroll in ((True, False), (True, True), (False, False)):
+        parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
+        stats[f"attn_router{router}" + ("_unrolled" if unroll else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": router, "ROUTER": router, "EXPERTS": 256, "BLOCK_EALL": 256,
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
-                "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k}, cfg.num_warps)
+                "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll},
+            cfg.num_warps)
     stats["moe"] = build(T._moe_tail_kernel, common, {
         "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True, "WRITE_POLLS": False,
         "WRITE_X": True}, cfg.num_warps)
@@ -600,6 +644,10 @@ def test_compiled_kernels_build_for_sm90():
         assert s["ld.volatile.global"] > 0 and s["fma.rn.f32"] == 0, (name, s)
         assert s["sqrt.rn.f32"] > 0 and s["div.rn.f32"] > 0, (name, s)
     assert stats["attn_routerTrue"]["atom.global.gpu.acq_rel"] == 1
+    assert stats["attn_routerTrue_unrolled"]["atom.global.gpu.acq_rel"] == 1
+    # the flag reaches the kernel: its poll is unrolled over the 24 chunks of H = 3072
+    assert (stats["attn_routerTrue_unrolled"]["ld.volatile.global"]
+            > stats["attn_routerTrue"]["ld.volatile.global"])
     assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
 
 
