@@ -13,7 +13,9 @@ Why gate 2 and not gate 1: gate 1 on the CPU runs the twins (no split), and on a
 band is m × the E4M3 reference's envelope (~30 % relative RMS on the synthetic model), wide
 enough to hide a combine error of this size; gate 2's BF16 envelope is ~4 %. Only positions whose
 keys span two or more splits move (the interpreter's config deals 16-key tiles, so positions
-≥ 16 of the 32-token prompt), which the evidence shows.
+≥ 16 of the 32-token prompt), which the evidence shows. On the synthetic tiny model, explicitly:
+gate 2 takes its verdict there (on mini its unmutated candidate fails the per-position band;
+qualification/stability.py says why), and the interpreter runs tiny's attention in seconds.
 
 Dimension letters: S splits, R rows, L keys, Hq/Hkv heads, D head dim.
 """

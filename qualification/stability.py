@@ -14,11 +14,20 @@ check of QUALIFICATION.md §3 (candidate error ≤ m × reference error), the re
 as its whole envelope under appends. The band is never derived from a candidate's own error.
 Until the runtime exists (issue 4) the candidate is the reference with the router folded into
 the attention tail ("bf16-fold"), which is exactly the numerical change the runtime makes.
+
+Model: qualify runs this gate's verdict on the synthetic tiny model (random prompts). On the
+trained mini model the per-position criterion cannot pass a legal rounding change: its BF16
+error without a routing flip is ~5e-3 relative RMS (tiny: ~5e-2), an expert flip at a router
+near-tie moves a position by 2–7e-2, and two legal rounding choices (bf16 and bf16-fold) flip at
+different positions, so each fails the other's band at a few positions in 160 — while appending
+tokens, which should widen the band there, changes no bit on the CPU (its GEMMs give each row the
+same bits at any row count). `mini_report` measures this on every qualify run (reported, not
+gated).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -51,17 +60,24 @@ def run(
     lower: ReferenceModel,
     candidate: Callable[[torch.Tensor], torch.Tensor],  # tokens [T] → logits [T, V]
     cfg: StabilityConfig | None = None,
+    prompts: Sequence[torch.Tensor] | None = None,  # each [≥ length + max(appends)]
 ) -> tuple[bool, float, list[str]]:
     """(all positions pass, worst cand/(m·band + floor), evidence lines). `lower` is the
     lower-precision reference whose envelope sets the band (BF16, or "matched" for the FP8
-    runtime)."""
+    runtime). `prompts`: given token sequences (real text) instead of cfg.prompts random ones;
+    each one's first cfg.length tokens are judged, the rest are the appended tokens."""
     cfg = cfg or StabilityConfig()
-    gen = torch.Generator().manual_seed(cfg.seed)
-    vocab = fp32.cfg.target.vocab_size
+    extra = max(cfg.appends)
+    if prompts is None:
+        gen = torch.Generator().manual_seed(cfg.seed)
+        vocab = fp32.cfg.target.vocab_size
+        prompts = [torch.randint(0, vocab, (cfg.length + extra,), generator=gen)
+                   for _ in range(cfg.prompts)]
     ok, worst, evidence = True, 0.0, []
-    for i in range(cfg.prompts):
-        extra = max(cfg.appends)
-        toks = torch.randint(0, vocab, (cfg.length + extra,), generator=gen)
+    for i, toks in enumerate(prompts):
+        if toks.shape[0] < cfg.length + extra:
+            raise ValueError(f"stability.run: prompt {i} has {toks.shape[0]} tokens, "
+                             f"StabilityConfig.length + max(appends) = {cfg.length + extra} wanted")
         prompt = toks[: cfg.length]
         ref = _logits(fp32, prompt)  # [T, V]
         band = _rel_rms(_logits(lower, prompt), ref)
@@ -82,3 +98,25 @@ def run(
             f"{float(band.median()):.2e}" + (f"; outside: positions {bad}" if bad else "")
         )
     return ok, worst, evidence
+
+
+def cross_check(
+    fp32: ReferenceModel,
+    a: ReferenceModel,
+    b: ReferenceModel,
+    cfg: StabilityConfig,
+    prompts: Sequence[torch.Tensor] | None = None,
+) -> list[str]:
+    """Two legal rounding choices judged by each other's band (reported, never a verdict): when
+    both fail, the criterion cannot tell either from reference variation on this model."""
+
+    def logits_of(model):
+        return lambda t: _logits(model, t)
+
+    out = []
+    for cand, lower in ((b, a), (a, b)):
+        ok, worst, ev = run(fp32, lower, logits_of(cand), cfg, prompts)
+        name, band = cand.precision.name, lower.precision.name
+        out.append(f"{name} within {band}'s band: {'passes' if ok else 'FAILS'} "
+                   f"({worst:.0%} of allowed); " + "; ".join(ev))
+    return out
