@@ -19,3 +19,16 @@ def compile_sm90(script: str) -> dict:
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"sm_90 compile failed:\n{run.stderr[-3000:]}"
     return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def fusion_off_on(script: str) -> tuple[dict, dict]:
+    """For scripts printing {"False": counts, "True": counts} (enable_fp_fusion off / on):
+    → (off, on); skips when this Triton has no NVIDIA backend."""
+    import pytest
+
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    got = compile_sm90(script)
+    return got["False"], got["True"]

@@ -32,7 +32,7 @@ from qualification.tolerances import check, measure, tolerance
 from reference import ops as ref_ops
 from reference.checkpoint import load_checkpoint
 from reference.depth import FixedDepth
-from tests.kernels.sm90 import compile_sm90
+from tests.kernels.sm90 import fusion_off_on
 from tests.test_engine_setup import make_ckpt
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -348,12 +348,8 @@ print(json.dumps(res))
 def test_entry_compiles_for_sm90_with_ieee_norms():
     """As launched (enable_fp_fusion=False): IEEE div.rn / sqrt.rn in both norms, no approximate
     sqrt, no FMA; the same kernel with fusion on contracts (so the FMA count can fail)."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton without its NVIDIA backend")
-    got = compile_sm90(SM90_COMPILE)
-    off, on = got["False"], got["True"]
+    off, on = fusion_off_on(SM90_COMPILE)
+    got = {"False": off, "True": on}
     assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
     assert off["div\\.rn\\.f32"] >= 4 and off["sqrt\\.rn\\.f32"] >= 2, got
     assert off["sqrt\\.approx"] == off["rsqrt"] == 0 and off["ld\\.global"] > 0, got

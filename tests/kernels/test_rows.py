@@ -12,7 +12,7 @@ from iquestrt.ops import Live, TwinOps
 from kernels.rows import norm_rows, route_rows, silu_mul_rows
 from qualification.tolerances import check, measure, tolerance
 from reference import ops as ref_ops
-from tests.kernels.sm90 import compile_sm90
+from tests.kernels.sm90 import fusion_off_on
 
 EPS = 1e-6
 R = 8
@@ -146,12 +146,8 @@ print(json.dumps(res))
 def test_norm_rows_compiles_for_sm90_without_fma():
     """As launched (enable_fp_fusion=False): no FMA contracts the residual add into the norm,
     IEEE div.rn / sqrt.rn; with fusion on, FMAs appear (so the check can fail)."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton without its NVIDIA backend")
-    got = compile_sm90(SM90_COMPILE)
-    off, on = got["False"], got["True"]
+    off, on = fusion_off_on(SM90_COMPILE)
+    got = {"False": off, "True": on}
     assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
     assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 2, got
     assert off["sqrt\\.approx"] == off["rsqrt"] == 0, got
