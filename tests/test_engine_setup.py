@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from iquestrt.engine import Engine
+from qualification.engine_cache_gate import layer_problems
 from reference.checkpoint import make_synthetic_checkpoint, save_checkpoint
 from reference.config import SamplingDefaults, preset
 from reference.kv_layout import EMPTY
@@ -91,32 +92,7 @@ def reference_held(cache, layer: int) -> tuple:
 
 def cache_problems(ours, committed: int, want: tuple) -> list[str]:
     """How a runtime LayerKV `ours` with positions < committed settled differs from a cache
-    that never saw a rejected row, whose held rows are `want` (positions, K, V); [] if not:
-      (1) no slot of ours is labelled with an uncommitted position;
-      (2) every labelled slot holds a position of `want`, with bit-identical K and V;
-      (3) every position a future query may read (full: all committed; ring: the newest token's
-          window) is held.
-    In a ring, slots whose positions were overwritten by rejected rows become EMPTY: those
-    positions are older than every future window (kernels/kv_cache.py), so (3) does not ask
-    for them."""
-    problems = []
-    pos, k, v = held(ours)
-    stale = pos[pos >= committed]
-    if len(stale):
-        problems.append(f"slots labelled with uncommitted positions {sorted(stale.tolist())[:5]} "
-                        f"(committed < {committed})")
-    w_pos, w_k, w_v = want
-    index = {int(p): i for i, p in enumerate(w_pos.tolist())}
-    rows = [index.get(int(p), -1) for p in pos.tolist()]
-    if -1 in rows:
-        problems.append(f"holds positions the clean cache lacks: {pos[rows.index(-1)].item()}")
-    else:
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        if not (torch.equal(k, w_k[rows_t]) and torch.equal(v, w_v[rows_t])):
-            problems.append("K/V of held positions differ from the clean cache")
-    lay = ours.layout
-    lo = lay.start if lay.window is None else max(lay.start, committed - lay.window + 1)
-    missing = sorted(set(range(lo, committed)) - set(pos.tolist()))
-    if missing:
-        problems.append(f"readable positions {missing[:5]} not held")
-    return problems
+    that never saw a rejected row, whose held rows are `want` (positions, K, V); [] if not —
+    gate 4b's check (qualification/engine_cache_gate.layer_problems: no uncommitted label,
+    bit-identical K/V of held positions, every readable position held)."""
+    return layer_problems(ours, committed, *want)
