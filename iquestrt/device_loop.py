@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+SPIN_S = 0.05  # wait_bounded spins (no sleep) this long before backing off
+
 COND_SOURCE = rb"""
 typedef __device_builtin__ unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
@@ -52,14 +54,19 @@ def wait_bounded(stream: torch.cuda.Stream, timeout_s: float, what: str) -> None
     timeout_s (the device may still be running then; the request is failed, not hung)."""
     ev = torch.cuda.Event()
     ev.record(stream)
-    deadline = time.perf_counter() + timeout_s
-    pause = 20e-6
+    start = time.perf_counter()
+    deadline = start + timeout_s
+    pause = 0.0
     while not ev.query():
-        if time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if now > deadline:
             raise DeviceTimeout(f"{what}: the device did not finish within {timeout_s} s "
                                 "(RuntimeConfig.wait_s)")
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
+        # spin while a wait is short (a log read every few rounds: a sleep's granularity, up
+        # to ~1 ms, would show in the round time); back off to 1 ms sleeps after SPIN_S
+        if now - start > SPIN_S:
+            pause = min(max(pause * 2, 20e-6), 1e-3)
+            time.sleep(pause)
 
 
 def checked(result, call: str):
