@@ -62,7 +62,6 @@ class CondLauncher(Launcher):
 class RoundPrograms:
     def __init__(self, graphs: bool, loop: str = "host"):
         self.graphs, self.loop = graphs, loop
-        self.captured: dict[int, torch.cuda.CUDAGraph] = {}  # depth → graph (current request)
         self.launcher: Launcher | None = None
         self._cond: ConditionKernel | None = None  # compiled once per engine
 
@@ -70,7 +69,6 @@ class RoundPrograms:
         if self.launcher is not None:
             self.launcher.close()
         program = RoundProgram(engine, st, req, policy)
-        depth = policy.max_depth
         if not self.graphs:
             self.launcher = Launcher(program)
             return self.launcher
@@ -80,11 +78,9 @@ class RoundPrograms:
             if self._cond is None:
                 self._cond = ConditionKernel.compile(st.tokens.device)
             graph = capture_conditional(program, st, self._cond, self.loop == "device")
-            self.captured = {}
             self.launcher = CondLauncher(graph)
             return self.launcher
-        self.captured = {depth: capture(program, st)}
-        self.launcher = Launcher(self.captured[depth].replay)
+        self.launcher = Launcher(capture(program, st).replay)  # the bound method keeps the graph
         return self.launcher
 
 
