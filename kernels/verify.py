@@ -39,16 +39,29 @@ def _verify_kernel(
     p_ids_ptr, p_probs_ptr, q_ids_ptr, q_probs_ptr, drafts_ptr, nd_ptr,
     seed, seed_ptr, first, first_ptr,
     acc_ptr, tok_ptr, bonus_ptr, emit_ptr, wf_ptr, wi_ptr,
-    D, WP, WQ, s_pi, s_pp, s_qi, s_qp,
+    D, WP, WQ, s_pi, s_pp, s_qi, s_qp, b_pi, b_pp, b_qi, b_qp,
     DP: tl.constexpr, KP: tl.constexpr, KQ: tl.constexpr,
     SEED_FROM_PTR: tl.constexpr, FIRST_FROM_PTR: tl.constexpr,
 ):
+    # program b verifies round b of a batch (b_* are the batch strides; one round: b = 0)
+    b = tl.program_id(0).to(tl.int64)
+    p_ids_ptr += b * b_pi
+    p_probs_ptr += b * b_pp
+    q_ids_ptr += b * b_qi
+    q_probs_ptr += b * b_qp
+    drafts_ptr += b * D
+    acc_ptr += b
+    tok_ptr += b
+    bonus_ptr += b
+    emit_ptr += b * (D + 1)
+    wf_ptr += b * KP
+    wi_ptr += b * KP
     if SEED_FROM_PTR:
         sd = tl.load(seed_ptr)
     else:
         sd = seed
     if FIRST_FROM_PTR:
-        pos0 = tl.load(first_ptr).to(tl.int64)
+        pos0 = tl.load(first_ptr + b).to(tl.int64)
     else:
         pos0 = tl.full([], 0, tl.int64) + first
     nd = tl.minimum(tl.load(nd_ptr), D)
@@ -204,9 +217,70 @@ def verify(
         first_t if first_t is not None else dummy,
         out.n_accepted, out.next_token, out.bonus, out.emitted, work_f, work_i,
         D, wp, wq, p_ids.stride(0), p_probs.stride(0), q_ids.stride(0) if D else 0,
-        q_probs.stride(0) if D else 0,
+        q_probs.stride(0) if D else 0, 0, 0, 0, 0,
         DP=max(2, triton.next_power_of_2(D + 1)), KP=kp,
         KQ=max(2, triton.next_power_of_2(wq)), SEED_FROM_PTR=seed_t is not None,
         FIRST_FROM_PTR=first_t is not None, num_warps=4, **_COMPILE,
+    )
+    return out
+
+
+def verify_batch(
+    p_ids: torch.Tensor,  # [B, D+1, Kp] target served ids, round b's rows at [b]
+    p_probs: torch.Tensor,  # [B, D+1, Kp] fp32
+    q_ids: torch.Tensor,  # [B, D, Kq]
+    q_probs: torch.Tensor,  # [B, D, Kq] fp32
+    drafts: torch.Tensor,  # [B, D]
+    seed,  # int in [0, 2^64) or device int64 [1], shared by the batch
+    first_positions: torch.Tensor,  # [B] int64 device: position of round b's drafts[0]
+) -> VerifyOut:
+    """B independent rounds in one launch (program b = round b): exactly `verify` on each round's
+    rows with its own first position — for the statistical gates, which sample ~10^5 rounds.
+    Outputs: n_accepted [B], next_token [B], bonus [B], emitted [B, D+1]."""
+    if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
+        _fail(f"drafts must be a 2-D tensor [B, D], got {getattr(drafts, 'shape', drafts)}")
+    B, D = drafts.shape
+    dev = drafts.device
+    if not 1 <= D <= MAX_DRAFTS:
+        _fail(f"verify_batch needs 1..{MAX_DRAFTS} drafts per round, got D={D}")
+    wp, wq = p_ids.shape[-1], q_ids.shape[-1]
+    for name, t, shape, dts in (
+        ("drafts", drafts, (B, D), IDS), ("p_ids", p_ids, (B, D + 1, wp), IDS),
+        ("p_probs", p_probs, (B, D + 1, wp), (torch.float32,)),
+        ("q_ids", q_ids, (B, D, wq), IDS), ("q_probs", q_probs, (B, D, wq), (torch.float32,)),
+        ("first_positions", first_positions, (B,), (torch.int64,)),
+    ):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            _fail(f"{name} must have shape {shape}, got {tuple(getattr(t, 'shape', ()))}")
+        if t.dtype not in dts or t.device != dev:
+            _fail(f"{name} must be {[str(d) for d in dts]} on {dev}, got {t.dtype} on {t.device}")
+        if t.stride(-1) != 1 or (t.dim() == 3 and t.stride(1) < t.shape[2]) or (
+            t.dim() == 2 and name == "drafts" and t.stride(0) != D
+        ):
+            _fail(f"{name} must be contiguous in its rows, got strides {t.stride()}")
+    for name, w in (("p", wp), ("q", wq)):
+        if not 1 <= w <= MAX_WIDTH:
+            _fail(f"{name} rows must have 1..{MAX_WIDTH} served entries, got {w}")
+    seed_v, seed_t = seed_args(seed, dev)
+    out = VerifyOut(
+        torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int64, device=dev),
+        torch.empty(B, dtype=torch.int32, device=dev),
+        torch.empty(B, D + 1, dtype=torch.int64, device=dev),
+    )
+    if B == 0:
+        return out
+    kp = max(2, triton.next_power_of_2(wp))
+    work_f = torch.empty(B, kp, dtype=torch.float32, device=dev)  # one scratch row per program
+    work_i = torch.empty(B, kp, dtype=torch.int64, device=dev)
+    nd = torch.full((1,), D, dtype=torch.int32, device=dev)
+    _verify_kernel[(B,)](
+        p_ids, p_probs, q_ids, q_probs, drafts, nd,
+        seed_v, seed_t if seed_t is not None else out.next_token, 0, first_positions,
+        out.n_accepted, out.next_token, out.bonus, out.emitted, work_f, work_i,
+        D, wp, wq, p_ids.stride(1), p_probs.stride(1), q_ids.stride(1), q_probs.stride(1),
+        p_ids.stride(0), p_probs.stride(0), q_ids.stride(0), q_probs.stride(0),
+        DP=max(2, triton.next_power_of_2(D + 1)), KP=kp,
+        KQ=max(2, triton.next_power_of_2(wq)), SEED_FROM_PTR=seed_t is not None,
+        FIRST_FROM_PTR=True, num_warps=4, **_COMPILE,
     )
     return out

@@ -15,7 +15,8 @@ at f … f+D), returned as the code of the emitted block (distribution_law.encod
     reference.rejection.residual_distribution, reference.sampling.draw). `audit` replays trials
     through reference.rejection.verify itself; the gate requires identical blocks.
   KernelRounds — kernels.sampler.sample for the drafts (batched rows) and the target rows,
-    kernels.verify.verify launched once per round (its production interface).
+    kernels.verify.verify_batch (every round in one launch; program b is the production
+    one-round kernel with round b's rows and position, tests/kernels/test_verify_batch.py).
 Both check that the draft's served rows are a function of the previous token, so that the exact
 law can be computed from one row per token.
 """
@@ -166,7 +167,8 @@ class ReferenceRounds:
 
 @dataclass(frozen=True)
 class KernelRounds:
-    """kernels.sampler.sample + kernels.verify.verify (one launch per round)."""
+    """kernels.sampler.sample per draft depth + kernels.verify.verify_batch (one launch for all
+    rounds; each program is the one-round kernel, tests/kernels/test_verify_batch.py)."""
 
     device: str = "cuda"
     name: str = "kernel"
@@ -188,8 +190,7 @@ class KernelRounds:
 
     def run(self, case, target, draft, P, Q, seed, first) -> Batch:
         from kernels.sampler import sample as ksample
-        from kernels.verify import VerifyOut
-        from kernels.verify import verify as kverify
+        from kernels.verify import verify_batch
 
         dev, n, D, V = self.device, first.numel(), case.depth, case.vocab
         f = first.to(dev)
@@ -210,14 +211,8 @@ class KernelRounds:
             prev = o.tokens
         ctx = torch.cat([torch.full((n, 1), case.x0, device=dev), drafts], 1)  # [n, D+1]
         pi, pp = tp.ids[ctx].contiguous(), tp.probs[ctx].contiguous()  # [n, D+1, W]
-        emitted = torch.empty(n, D + 1, dtype=torch.int64, device=dev)
-        acc = torch.empty(n, dtype=torch.int32, device=dev)
-        tok = torch.empty(n, dtype=torch.int64, device=dev)
-        bonus = torch.empty(n, dtype=torch.int32, device=dev)
-        for i, pos in enumerate(first.tolist()):
-            out = VerifyOut(acc[i : i + 1], tok[i : i + 1], bonus[i : i + 1], emitted[i])
-            kverify(pi[i], pp[i], qi[i], qp[i], drafts[i], seed, pos, out=out)
-        emitted, drafts = emitted.cpu(), drafts.cpu()
+        emitted = verify_batch(pi, pp, qi, qp, drafts, seed, f).emitted.cpu()  # [n, D+1]
+        drafts = drafts.cpu()
         q = Q[ctx[:, :D].cpu()]  # [n, D, V]
         codes = encode(emitted.clamp(min=0), (emitted >= 0).sum(1), V)
         return Batch(codes, drafts, q, ctx.cpu())
