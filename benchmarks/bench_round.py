@@ -12,10 +12,12 @@ between synchronizations around `Engine._loop`, median of --reps requests, confi
 interleaved per repetition.
 
     python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--modes eager graph device]
-        [--tokens 128] [--reps 3] [--json F]
+        [--tokens 128] [--reps 3] [--sync-rounds 8] [--json F]
 
-The host loop reads the log every 8 rounds (sync_rounds), the device loop once per request;
-"device/graph" is the paired ratio of their round times (same run, alternating).
+The host loop reads the log every --sync-rounds rounds (default 8), the device loop once per
+request; "device/graph" is the paired ratio of their round times (same run, alternating), and
+the host loop's extra time is split into its over-run rounds (replays launched past the
+request's end) and the gap per log read.
 """
 
 from __future__ import annotations
@@ -47,19 +49,52 @@ def timed_request(eng: Engine, req: GenerationRequest) -> tuple[float, object]:
     """Wall time of the decode loop (prefill, state setup and capture excluded)."""
     inner, box = eng._loop, {}
 
-    def loop(st, program, *rest):
+    def loop(st, launcher, *rest):
+        counted = CountingLauncher(launcher)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        inner(st, program, *rest)
+        inner(st, counted, *rest)
         torch.cuda.synchronize()
         box["t"] = time.perf_counter() - t0
+        box["reads"], box["launched"] = counted.reads, counted.launched
 
     eng._loop = loop
     try:
         res = eng.generate(req)
     finally:
         eng._loop = inner
-    return box["t"], res
+    launched = box["launched"] if box["launched"] is not None else len(res.rounds)
+    return box["t"], res, box["reads"], launched
+
+
+class CountingLauncher:
+    """Counts the host's launches (= log reads) and the rounds a host loop replays: it launches
+    `rounds` graph replays per read, so up to rounds - 1 of them run after the request ended
+    (they change nothing, but take time). A device loop's WHILE node stops at done (launched =
+    None: the rounds committed)."""
+
+    def __init__(self, inner):
+        self.inner, self.reads, self.launched = inner, 0, 0
+        if getattr(getattr(inner, "graph", None), "looping", False):
+            self.launched = None
+
+    def launch(self, first: int, rounds: int) -> None:
+        self.reads += 1
+        if self.launched is not None:
+            self.launched += rounds
+        self.inner.launch(first, rounds)
+
+
+def host_gap(dev: dict, host: dict) -> str:
+    """Splits the host loop's extra time into its over-run rounds (costed at the device loop's
+    round time) and the rest, spread over its log reads: the host gap per read."""
+    per_round = statistics.median(dev["raw_s"]) / dev["rounds"]
+    extra = statistics.median(host["raw_s"]) - statistics.median(dev["raw_s"])
+    over = host["launched_rounds"] - host["rounds"]
+    gap = (extra - over * per_round) / host["reads"]
+    return (f"host loop: {over} over-run rounds ≈ {over * per_round * 1e6:.0f} us, the rest "
+            f"{(extra - over * per_round) * 1e6:.0f} us over {host['reads']} reads = "
+            f"{gap * 1e6:.1f} us per read")
 
 
 def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
@@ -109,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--sync-rounds", type=int, default=8,
+                    help="host loop: rounds launched between log reads (1 = the seed's per-round "
+                         "host round trip)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -122,17 +160,17 @@ def main(argv=None) -> int:
         for mode in args.modes:
             policy = policy_from_spec(d, ck.directory)
             rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
-                               policy=policy, graphs=mode != "eager", sync_rounds=8,
+                               policy=policy, graphs=mode != "eager", sync_rounds=args.sync_rounds,
                                loop="device" if mode == "device" else "host")
             engines[d, mode] = Engine(from_checkpoint(ck, "cuda", 512), rc)
             engines[d, mode].generate(req)  # JIT-compile everything first
     times = {k: [] for k in engines}
-    results = {}
+    results, counts = {}, {}
     for rep in range(args.reps):
         for k, eng in engines.items():
-            t, res = timed_request(eng, req)
+            t, res, reads, launched = timed_request(eng, req)
             times[k].append(t)
-            results[k] = res
+            results[k], counts[k] = res, (reads, launched)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
     rows = []
     for (d, mode), ts in times.items():
@@ -144,13 +182,15 @@ def main(argv=None) -> int:
         rows.append(dict(depth=d, width=res.rounds and max(len(r.drafts) for r in res.rounds) + 1,
                          mode=mode, rounds=n_r, launches=launches, loop_ops=ops,
                          tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,
-                         token_us=t / n_tok * 1e6, raw_s=ts))
+                         token_us=t / n_tok * 1e6, raw_s=ts, reads=counts[d, mode][0],
+                         launched_rounds=counts[d, mode][1]))
     print(f"{'D':>2} {'W':>2} {'mode':>6} {'rounds':>6} {'tok/rnd':>7} {'us/round':>9} "
-          f"{'us/token':>9} {'launches':>8} {'ops/rnd':>8}")
+          f"{'us/token':>9} {'launches':>8} {'ops/rnd':>8} {'reads':>5} {'ran':>4}")
     for r in rows:
         print(f"{r['depth']:>2} {r['width']:2d} {r['mode']:>6} "
               f"{r['rounds']:6d} {r['tokens_per_round']:7.2f} {r['round_us']:9.1f} "
-              f"{r['token_us']:9.1f} {r['launches']:8d} {r['loop_ops']:8.1f}")
+              f"{r['token_us']:9.1f} {r['launches']:8d} {r['loop_ops']:8.1f} {r['reads']:5d} "
+              f"{r['launched_rounds']:4d}")
     by = {(r["depth"], r["mode"]): r for r in rows}
     for d in args.depths:
         for a, b in (("graph", "eager"), ("device", "graph")):
@@ -160,6 +200,8 @@ def main(argv=None) -> int:
                     "TOKENS DIFFER"
                 print(f"depth {d}: {a}/{b} round time ratio {ra['round_us'] / rb['round_us']:.3f}"
                       f" ({b} - {a} = {rb['round_us'] - ra['round_us']:+.1f} us/round; {same})")
+                if (a, b) == ("device", "graph"):
+                    print("  " + host_gap(ra, rb))
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name())
     if args.json:
         args.json.write_text(json.dumps(dict(env=env, rows=rows), indent=2))

@@ -263,7 +263,8 @@ def verify_batch(
             _fail(f"{name} rows must have 1..{MAX_WIDTH} served entries, got {w}")
     seed_v, seed_t = seed_args(seed, dev)
     out = VerifyOut(
-        torch.empty(B, dtype=torch.int32, device=dev), torch.empty(B, dtype=torch.int64, device=dev),
+        torch.empty(B, dtype=torch.int32, device=dev),
+        torch.empty(B, dtype=torch.int64, device=dev),
         torch.empty(B, dtype=torch.int32, device=dev),
         torch.empty(B, D + 1, dtype=torch.int64, device=dev),
     )
