@@ -63,6 +63,7 @@ class TargetModel:
         self.t = weights.cfg.target
         self.prefetcher = prefetcher
         self.layer_trace: list | None = None  # qualification: (layer, xn [n, H] FP32 on the CPU)
+        self.route_trace: list | None = None  # qualification: (layer, ids [n, K] on the CPU)
 
     def forward(self, tokens: torch.Tensor, start: int, caches, flags: torch.Tensor):
         """tokens [n] at positions start … start+n−1 (n ≤ width) → (logits [R, V] FP32,
@@ -100,6 +101,8 @@ class TargetModel:
             tail = ops.attn_tail(o_parts, xn, aw.attn_out_norm, aw.ffn_norm, live,
                                  flags[i : i + 1], eps=eps, attn_out_scale=t.attn_out_scale,
                                  router_w=layer.moe.router, top_k=layer.moe.top_k)
+            if self.route_trace is not None:  # host-known rows only, like layer_trace
+                self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
             f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
             xn = ops.moe_tail(f[None], tail.h, next_norm, live, flags[i : i + 1], eps=eps,
                               ffn_out_scale=t.ffn_out_scale).xn

@@ -25,6 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from reference.config import SamplingDefaults, preset
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, generate
@@ -66,7 +68,18 @@ def run_case(case: GoldenCase, model: ReferenceModel) -> GenerationResult:
 
 
 def digests(models: dict[str, ReferenceModel] | None = None) -> dict[str, dict]:
-    """{case: {"tokens": sha, "rounds": [sha per round]}} on the tiny synthetic model, seed 0."""
+    """{case: {"tokens": sha, "rounds": [sha per round]}} on the tiny synthetic model, seed 0.
+    One CPU thread: torch's CPU reductions split by thread count, and the H200 host's 16 threads
+    gave other digests than qualify's single thread (its 2-core CI machine happened to agree)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _digests(models)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _digests(models: dict[str, ReferenceModel] | None) -> dict[str, dict]:
     if models is None:
         cfg = preset("tiny")
         params = synthetic_params(cfg, 0)

@@ -336,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         res.seconds = time.perf_counter() - t0
         results.append(res)
         print(f"      {res.verdict} in {res.seconds:.0f} s", flush=True)
+        if res.verdict == FAIL:  # now: a run stopped later by a time limit still shows why
+            print("\n".join(f"      | {e[:400]}" for e in res.evidence[:6]), flush=True)
     print(table(results))
     meta = {
         "revision": revision(),

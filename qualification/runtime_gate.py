@@ -9,7 +9,10 @@ logits of every position:
     top-p 0.95); the worst position is named and the share of the band used reported;
   vs the FP32 reference: within a stability band (m × the error envelope of the "matched"
     reference — the FP8-activation design's own reference — under appending 1 and 8 tokens,
-    + floor); the candidate's error never sets its own tolerance. The BF16 envelope is the wrong
+    + floor); the candidate's error never sets its own tolerance. On the kernels path a position
+    outside the band passes only when the runtime chose other experts there and its first flip
+    is a near-tie that the matched reference's own router variation explains (routing_flips:
+    gap ≤ m · δ); every flip is listed. The BF16 envelope is the wrong
     yardstick here: E4M3 activations alone move the logits by ~3 % relative RMS against FP32 on
     the trained mini model (BF16: ~0.6 %), by ~30 % on the synthetic tiny model (BF16: ~4 %).
 Then teacher-forced passes at every verification width, and each layer's attention input vs the
@@ -31,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from qualification import mini_engine, stability
+from qualification import mini_engine, routing_flips, stability
 from qualification.tolerances import measure, tolerance
 from reference.checkpoint import load_checkpoint, make_synthetic_checkpoint
 from reference.config import SamplingDefaults
@@ -41,6 +44,7 @@ from reference.sampling import served_distribution
 MODELS = ("mini", "tiny")
 RING_PAD = 8  # ring slots beyond the window: the smallest legal pad at width 8, rings wrap early
 APPENDS = 8  # tokens beyond `length` each prompt carries: the stability band's largest append
+FLIP_FLOOR = 0.0  # router-logit slack of a legal flip beyond m·δ (routing_flips): none
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,12 @@ class RuntimeSetup:
     @property
     def engine(self):
         return self.engines[max(self.engines)]
+
+    def router_weights(self) -> dict[int, torch.Tensor]:  # {layer: [E, H]} of the MoE layers
+        p = self.refs["matched"].p
+        return {i: p[f"model.layers.{i}.mlp.router.weight"] for i in range(
+            self.refs["matched"].cfg.target.num_hidden_layers)
+            if f"model.layers.{i}.mlp.router.weight" in p}
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:  # [T] → [T, V] FP32 on the CPU
         return self.engine.prefill_logits(tokens.tolist())[0].cpu()
@@ -217,11 +227,32 @@ def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
             f"{agree:.0%} of positions; max KL(served) {float(kl.max()):.2e} at position "
             f"{int(kl.argmax())}"
         )
-        s_ok, s_worst, s_ev = stability.run(refs["fp32"], refs["matched"], candidate, band_cfg,
-                                            [full])
-        ok &= s_ok
-        band_worst = max(band_worst, s_worst)
-        evidence += [f"prompt {i} vs FP32 within the stability band: " + e for e in s_ev]
+        cand, band, allowed = stability.per_position(refs["fp32"], refs["matched"], got,
+                                                     band_cfg, full)
+        excused: set[int] = set()
+        if row is None:  # kernels: a position outside the band needs a legal routing flip
+            flips = routing_flips.find(
+                routing_flips.runtime_routes(s.engine, toks.tolist()),
+                routing_flips.reference_routes(refs["matched"], toks),
+                routing_flips.reference_routes(refs["fp32"], toks), s.router_weights(),
+                band_cfg.multiple, FLIP_FLOOR)
+            f_ok, lines = routing_flips.judge(cand, allowed, flips)
+            ok &= f_ok
+            excused = {f.position for f in flips if f.legal}
+            evidence += [f"prompt {i}: " + e for e in lines]
+        else:
+            ok &= bool((cand <= allowed).all())
+        used = torch.tensor([0.0 if p in excused else float(c / a)
+                             for p, (c, a) in enumerate(zip(cand, allowed, strict=True))])
+        p = int(used.argmax())
+        band_worst = max(band_worst, float(used[p]))
+        outside = [q for q in (cand > allowed).nonzero().flatten().tolist() if q not in excused]
+        evidence.append(
+            f"prompt {i} vs FP32 within the stability band (m = {band_cfg.multiple}, floor "
+            f"{band_cfg.floor}): worst position {p}: candidate {float(cand[p]):.2e} vs allowed "
+            f"{float(allowed[p]):.2e} (band {float(band[p]):.2e}); median band "
+            f"{float(band.median()):.2e}" + (f"; outside: positions {outside}" if outside else "")
+            + (f"; {len(excused)} flipped positions excused" if excused else ""))
     ok, evidence = _widths_and_layers(s, s.prompts[-1][: g.length], ops, ok, evidence)
     ok &= matched_ok
     margin = ("bit-exact vs matched; " if row is not None and matched_ok else "") + (

@@ -78,15 +78,7 @@ def run(
         if toks.shape[0] < cfg.length + extra:
             raise ValueError(f"stability.run: prompt {i} has {toks.shape[0]} tokens, "
                              f"StabilityConfig.length + max(appends) = {cfg.length + extra} wanted")
-        prompt = toks[: cfg.length]
-        ref = _logits(fp32, prompt)  # [T, V]
-        band = _rel_rms(_logits(lower, prompt), ref)
-        for a in cfg.appends:
-            band = torch.maximum(
-                band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
-            )
-        cand = _rel_rms(candidate(prompt), ref)
-        allowed = cfg.multiple * band + cfg.floor
+        cand, band, allowed = per_position(fp32, lower, candidate(toks[: cfg.length]), cfg, toks)
         used = cand / allowed
         p = int(used.argmax())
         worst = max(worst, float(used[p]))
@@ -98,6 +90,21 @@ def run(
             f"{float(band.median()):.2e}" + (f"; outside: positions {bad}" if bad else "")
         )
     return ok, worst, evidence
+
+
+def per_position(fp32: ReferenceModel, lower: ReferenceModel, cand_logits: torch.Tensor,
+                 cfg: StabilityConfig, toks: torch.Tensor):
+    """(cand, band, allowed), each [T = cfg.length] float64, for one prompt toks [≥ T +
+    max(appends)] and the candidate's logits [T, V] on its first T tokens."""
+    prompt = toks[: cfg.length]
+    ref = _logits(fp32, prompt)  # [T, V]
+    band = _rel_rms(_logits(lower, prompt), ref)
+    for a in cfg.appends:
+        band = torch.maximum(
+            band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
+        )
+    cand = _rel_rms(cand_logits, ref)
+    return cand, band, cfg.multiple * band + cfg.floor
 
 
 def cross_check(

@@ -135,6 +135,7 @@ class ReferenceModel:
         self.cfg = cfg
         self.precision = Precision.of(precision)
         self.layer_trace: list | None = None  # set to [] to collect (layer, xn [R, H] FP32)
+        self.route_trace: list | None = None  # [] to collect (layer, router in [R, H], ids [R, K])
         specs = all_specs(cfg)
         missing = sorted(set(specs) - set(params))
         if missing:
@@ -252,6 +253,8 @@ class ReferenceModel:
         p = self.p
         src = x if router_in is None else router_in
         w, ids = ops.route(src, p[pre + "mlp.router.weight"], top_k)
+        if self.route_trace is not None:  # qualification: routing flips (gate 1)
+            self.route_trace.append((int(pre.split(".")[2]), src.float(), ids))
         if self.precision.matched:
             return self._moe_matched(pre, x, w, ids)
         return ops.moe(x, w, ids, p[pre + "mlp.experts.fc"], p[pre + "mlp.experts.proj"])
