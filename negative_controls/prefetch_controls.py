@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import torch
 
-from iquestrt.ops import TwinOps
+from iquestrt.ops import KernelOps, TwinOps
 from iquestrt.prefetch import Prefetcher
 from negative_controls.control import Control
 from negative_controls.engine_controls import _patched
@@ -19,28 +19,35 @@ from reference.prefetch import prefetch_experts_ref
 @contextmanager
 def prefetch_overrides_routing():
     pending: list[torch.Tensor] = []
+    used: list[int] = []
 
     def maybe_prefetch(self, layer_index, xn, live):
-        if layer_index in self.p:
-            ids = prefetch_experts_ref(xn.float(), live.n, self.p[layer_index].float(), self.m,
-                                       self.cfg.min_rows, self.cfg.max_rows)
+        if layer_index in self.p:  # the prediction on the host (eager rounds: live.n may sync)
+            ids = prefetch_experts_ref(xn.float().cpu(), live.n, self.p[layer_index].float().cpu(),
+                                       self.m, self.cfg.min_rows, self.cfg.max_rows)
             if ids is not None:
                 pending.append(ids)
         return None
 
-    real_tail = TwinOps.attn_tail
+    def overriding(real_tail):
+        def attn_tail(self, parts, xn, aon, ffn, live, flag, **kw):
+            out = real_tail(self, parts, xn, aon, ffn, live, flag, **kw)
+            if pending and out.ids is not None:
+                ids = pending.pop()
+                k = out.ids.shape[1]
+                out.ids[: live.n] = ids[:k].to(out.ids.device, out.ids.dtype)  # prediction wins
+                used.append(1)
+            return out
+        return attn_tail
 
-    def attn_tail(self, parts, xn, aon, ffn, live, flag, **kw):
-        out = real_tail(self, parts, xn, aon, ffn, live, flag, **kw)
-        if pending and out.ids is not None:
-            ids = pending.pop()
-            k = out.ids.shape[1]
-            out.ids[: live.n] = ids[:k].to(out.ids.dtype)  # the prediction wins over the router
-        return out
-
+    # both op sets: the twins on the CPU, the kernels (with real prefetch launches) on a GPU
     with _patched(Prefetcher, maybe_prefetch=maybe_prefetch), \
-            _patched(TwinOps, attn_tail=attn_tail):
+            _patched(TwinOps, attn_tail=overriding(TwinOps.attn_tail)), \
+            _patched(KernelOps, attn_tail=overriding(KernelOps.attn_tail)):
         yield
+    if not used:
+        raise RuntimeError("prefetch_overrides_routing: the mutant never replaced a routing "
+                           "decision (the prefetcher or the tails it patches were not reached)")
 
 
 def _gate(mutated: bool) -> tuple[bool, list[str]]:

@@ -1,8 +1,9 @@
 """`python -m negative_controls.run`: baseline gates must pass, then every control must be caught.
 
 Prints a table (control, gate, caught, evidence) and exits non-zero when a baseline fails or a
-control is not caught. A gate run that raises counts as a failure of that run, with the error
-as its evidence (an unmutated baseline that raises is therefore a failed baseline).
+control is not caught. A baseline that raises fails. A mutated run that raises is caught only
+when the exception is the runtime's or a gate's own detection (EngineError, DistributionError);
+any other exception is a broken control and counts as NOT caught.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
+from iquestrt.engine import EngineError  # noqa: E402
 from negative_controls import (  # noqa: E402
     combine_controls,
     e2e_controls,
@@ -30,6 +32,7 @@ from negative_controls import (  # noqa: E402
     sampler_controls,
     sink_controls,
 )
+from qualification.distribution_rounds import DistributionError  # noqa: E402
 
 ALL = (
     ring_controls.CONTROLS
@@ -46,10 +49,22 @@ ALL = (
 
 
 def _safe(run, mutated: bool) -> tuple[bool, list[str]]:
+    """A gate run → (passed, evidence). An exception fails the run; a mutated run is caught by
+    one only when it is the runtime's or the gate's own detection (EngineError: a fault the
+    engine recorded; DistributionError: a gate's check of its inputs). Any other exception means
+    the control itself is broken (e.g. a tensor on the wrong device) and is reported as such."""
     try:
         return run(mutated)
-    except Exception as e:  # a crash of the gate run is a failure of that run, shown as such
+    except (EngineError, DistributionError) as e:
         return False, [f"raised {type(e).__name__}: {e}"]
+    except Exception as e:
+        if not mutated:
+            return False, [f"raised {type(e).__name__}: {e}"]
+        raise ControlBroken(f"{type(e).__name__}: {e}") from e
+
+
+class ControlBroken(Exception):
+    """A mutated run crashed outside the runtime's and the gates' own checks."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, c in enumerate(controls, 1):
         t0 = time.perf_counter()
         base_ok, base_ev = _safe(c.run, False)
-        mut_ok, mut_ev = _safe(c.run, True) if base_ok else (True, ["baseline failed"])
+        try:
+            mut_ok, mut_ev = _safe(c.run, True) if base_ok else (True, ["baseline failed"])
+        except ControlBroken as e:
+            mut_ok, mut_ev = True, [f"CONTROL BROKEN (not a catch): {e}"]
         caught = base_ok and not mut_ok
         failed |= not caught
         evidence = mut_ev[0] if base_ok else f"BASELINE FAILED: {base_ev[0]}"

@@ -34,6 +34,30 @@ def test_a_failing_baseline_fails_the_run(monkeypatch, capsys):
     assert "BASELINE FAILED" in capsys.readouterr().out
 
 
+def test_a_control_that_crashes_is_not_a_catch(monkeypatch, capsys):
+    """A mutated run that raises outside the runtime's and gates' own checks (here: a device
+    mismatch, the bug this control had on the H200) is a broken control, not a catch; an
+    EngineError (a fault the engine recorded) is a catch."""
+    from iquestrt.engine import EngineError
+
+    def crash(mutated):
+        if mutated:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return True, ["fine"]
+
+    def detected(mutated):
+        if mutated:
+            raise EngineError("round 3: non-finite target logits at depth 1")
+        return True, ["fine"]
+
+    monkeypatch.setattr(nc, "ALL", (Control("crash", "1 x", "crashes", crash),))
+    assert nc.main([]) == 1
+    assert "CONTROL BROKEN" in capsys.readouterr().out
+    monkeypatch.setattr(nc, "ALL", (Control("detected", "1 x", "faults", detected),))
+    assert nc.main([]) == 0
+    assert "raised EngineError" in capsys.readouterr().out
+
+
 def test_there_are_at_least_fifteen_controls_each_mapped_to_a_gate():
     names = [c.name for c in nc.ALL]
     assert len(names) == len(set(names)) >= 15
