@@ -253,7 +253,8 @@ def gate_stability(q: QualifyConfig, models: GateModels) -> GateResult:
         mini_fold = ReferenceModel(models.refs["bf16"].cfg, models.params, "bf16-fold")
         mini_cfg = replace(cfg, length=models.length)
         lines = stability.cross_check(models.refs["fp32"], models.refs["bf16"], mini_fold,
-                                      mini_cfg, models.prompts[: 1 if q.quick else 3])
+                                      mini_cfg, models.prompts[: 1 if q.quick else 3],
+                                      with_flips=True)
         evidence += [f"mini (reported, not gated): {e}" for e in lines]
     return GateResult(
         "2 stability bands", PASS if ok else FAIL, f"{worst:.0%} of allowed (tiny)", evidence

@@ -107,6 +107,22 @@ def find(cand: dict[int, torch.Tensor], matched: dict[int, tuple], fp32: dict[in
     return [first[p] for p in sorted(first)]
 
 
+def between(cand: ReferenceModel, lower: ReferenceModel, fp32: ReferenceModel, multiple: float,
+            floor: float = 0.0):
+    """tokens [T] → flips of reference `cand` (e.g. bf16-fold) against `lower` (e.g. bf16), δ from
+    lower vs fp32: the flip judgement of stability.run for two reference precisions."""
+    router = {i: lower.p[f"model.layers.{i}.mlp.router.weight"]
+              for i in range(lower.cfg.target.num_hidden_layers)
+              if f"model.layers.{i}.mlp.router.weight" in lower.p}
+
+    def flips(tokens: torch.Tensor) -> list[Flip]:
+        c = {i: ids for i, (_, ids) in reference_routes(cand, tokens).items()}
+        return find(c, reference_routes(lower, tokens), reference_routes(fp32, tokens), router,
+                    multiple, floor)
+
+    return flips
+
+
 def judge(cand: torch.Tensor, allowed: torch.Tensor, flips: list[Flip]) -> tuple[bool, list[str]]:
     """Per position (cand, allowed [T]): inside the band, or excused by a legal first flip.
     → (ok, evidence lines)."""

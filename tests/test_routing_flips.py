@@ -75,3 +75,28 @@ def test_rounding_sized_change_flips_only_near_ties(mini):
 def test_biased_expert_gives_illegal_flips(mini):
     flips = perturbed_flips(mini, 0.0, 8.0)
     assert sum(not f.legal for f in flips) >= 3, [f.line() for f in flips]
+
+
+def test_stability_run_excuses_only_legal_flips():
+    """stability.run with `flips`: a candidate (bf16 scaled logits) outside the band at every
+    position passes only where a legal flip is given; an illegal flip fails the run."""
+    from qualification import stability
+    from reference.config import preset
+    from reference.synthetic import synthetic_params
+
+    cfg = preset("tiny")
+    params = synthetic_params(cfg, 0)
+    fp32, bf16 = (ReferenceModel(cfg, params, p) for p in ("fp32", "bf16"))
+    sc = stability.StabilityConfig(prompts=1, length=20)
+
+    def cand(t):
+        return stability._logits(bf16, t) * 1.5
+
+    ok, _, ev = stability.run(fp32, bf16, cand, sc)
+    assert not ok
+    every = [rf.Flip(p, 1, 0.0, 1.0, 0) for p in range(20)]
+    ok, worst, ev = stability.run(fp32, bf16, cand, sc, flips=lambda t: every)
+    assert ok and worst == 0.0 and "20 flipped positions excused" in ev[-1], ev
+    some = every[:19] + [rf.Flip(19, 1, 2.0, 1.0, 0)]
+    ok, _, ev = stability.run(fp32, bf16, cand, sc, flips=lambda t: some)
+    assert not ok and "1 not near-ties" in ev[0], ev
