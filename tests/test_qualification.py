@@ -190,6 +190,28 @@ def test_schedule_gate_passes_on_the_gpu():
     assert len(ev) == 2 and all("variants identical" in e for e in ev)
 
 
+@pytest.mark.gpu
+def test_runtime_gate_on_the_gpu_excuses_flips_but_not_a_missing_sink(monkeypatch):
+    """The kernels path on mini: positions outside the FP32 band pass only through legal
+    routing flips; the same engine without sink keys still fails (not every deviation is a
+    flip)."""
+    from iquestrt import ops as rt_ops
+    from qualification import runtime_gate
+
+    cfg = runtime_gate.RuntimeGateConfig(prompts=1)
+    ok, _, ev = runtime_gate.run(cfg)
+    assert ok, ev
+    assert any("routing flips vs matched" in e and "0 not near-ties" in e for e in ev), ev
+    real = rt_ops.KernelOps.attention
+
+    def no_sink(self, q, cache, positions, live, sink_k, scale):
+        return real(self, q, cache, positions, live, None, scale)
+
+    monkeypatch.setattr(rt_ops.KernelOps, "attention", no_sink)
+    ok, _, ev = runtime_gate.run(cfg)
+    assert not ok and any("outside" in e for e in ev), ev
+
+
 def test_goldens_are_keyed_by_platform(tmp_path, monkeypatch, capsys):
     """A platform with its own entry compares against it; another platform compares against the
     primary and, on a mismatch, is told why and how to record its own (never silently)."""
