@@ -18,12 +18,13 @@ from pathlib import Path
 
 PASS, FAIL, NOT_BUILT = "pass", "FAIL", "not built"
 GPU_ONLY = "GPU only"  # a gate of GPU mechanisms on a CPU machine: not run, never a pass
+NOT_RUN = "not run"  # left out by `qualify --only`: the report is then a subset, never a pass
 
 
 @dataclass
 class GateResult:
     gate: str
-    verdict: str  # PASS | FAIL | NOT_BUILT | GPU_ONLY
+    verdict: str  # PASS | FAIL | NOT_BUILT | GPU_ONLY | NOT_RUN
     margin: str  # e.g. "41% of band", "p = 0.37 (alpha 1e-3)"
     evidence: list[str] = field(default_factory=list)
     seconds: float = 0.0

@@ -46,6 +46,7 @@ from qualification.gates import (
     FAIL,
     GPU_ONLY,
     NOT_BUILT,
+    NOT_RUN,
     PASS,
     GateResult,
     environment,
@@ -68,6 +69,7 @@ class QualifyConfig:
     model: str = "mini"  # gates 0 and 1: the trained mini model (default) or the synthetic tiny
     weights_seed: int = 0  # tiny
     tokens_seed: int = 5  # tiny: gate 0's random prompt
+    only: tuple[str, ...] = ()  # gate names (GATE_NAMES) to run; () = all
 
 
 @dataclass(frozen=True)
@@ -315,14 +317,20 @@ GATES: tuple[Callable, ...] = (
 )
 
 
+GATE_NAMES = tuple(g.__name__.removeprefix("gate_") for g in GATES)
+
+
 def parse(argv: list[str] | None = None) -> QualifyConfig:
     ap = argparse.ArgumentParser(prog="python -m qualification.qualify", description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer cases, for development")
     ap.add_argument("--out", type=Path, default=Path("reports/qualify"), help="report folder")
     ap.add_argument("--model", choices=MODELS, default="mini",
                     help="model of gates 0 and 1 (gate 2's verdict and gate 3 stay on tiny)")
+    ap.add_argument("--only", nargs="+", metavar="GATE", choices=GATE_NAMES,
+                    help="run only these gates (a subset report, titled so; never a "
+                         f"qualification): {', '.join(GATE_NAMES)}")
     a = ap.parse_args(argv)
-    return QualifyConfig(quick=a.quick, out=a.out, model=a.model)
+    return QualifyConfig(quick=a.quick, out=a.out, model=a.model, only=tuple(a.only or ()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for i, gate in enumerate(GATES):
         t0 = time.perf_counter()
+        name = gate.__name__.removeprefix("gate_")
+        if q.only and name not in q.only:
+            results.append(GateResult(name, NOT_RUN, "-", ["left out by --only"]))
+            continue
         print(f"[{i + 1}/{len(GATES)}] {gate.__name__}…", flush=True)
         res = gate(q, models)
         res.seconds = time.perf_counter() - t0
@@ -349,8 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         "seeds": {"weights": q.weights_seed, "tokens": q.tokens_seed},
         "environment": environment(),
     }
+    if q.only:
+        meta["subset"] = f"only {', '.join(q.only)}: NOT a qualification run"
     json_path, md_path = write_reports(q.out, results, meta)
-    built = [r for r in results if r.verdict not in (NOT_BUILT, GPU_ONLY)]
+    built = [r for r in results if r.verdict not in (NOT_BUILT, GPU_ONLY, NOT_RUN)]
     print(f"{len(built)} of {len(results)} gates built and run here; reports: {json_path}, "
           f"{md_path}")
     return 1 if any(r.verdict == FAIL for r in results) else 0

@@ -235,3 +235,20 @@ def test_goldens_are_keyed_by_platform(tmp_path, monkeypatch, capsys):
     new = json.loads(path.read_text())
     assert new["cases"] == stored["cases"] and new["platforms"]["R"]["cases"] == fake
     assert goldens.main([]) == 0
+
+
+def test_only_runs_a_subset_and_says_so(tmp_path, capsys):
+    """`qualify --only`: the other gates are "not run", the report is titled a subset, and an
+    unknown gate name is refused before any gate runs."""
+    from qualification import qualify
+
+    assert qualify.main(["--only", "readiness", "--out", str(tmp_path)]) == 0
+    rep = json.loads((tmp_path / "qualify.json").read_text())
+    verdicts = {g["gate"]: g["verdict"] for g in rep["gates"]}
+    assert sum(v == "not run" for v in verdicts.values()) == len(qualify.GATES) - 1
+    assert verdicts["8 readiness protocol"] == "pass"
+    assert "NOT a qualification run" in rep["subset"]
+    assert "NOT a qualification run" in (tmp_path / "qualify.md").read_text()
+    with pytest.raises(SystemExit):
+        qualify.main(["--only", "no_such_gate", "--out", str(tmp_path / "x")])
+    assert "invalid choice" in capsys.readouterr().err
