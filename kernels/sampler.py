@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.sampler_values import DeviceSampling
 from reference.config import SamplingDefaults
 from reference.rng import MASK32, Purpose
 
@@ -160,10 +161,10 @@ def top_keys(keys, K: tl.constexpr, KP: tl.constexpr, BITONIC: tl.constexpr):
 
 @triton.jit
 def _scan_kernel(
-    x_ptr, cand_ptr, n_live_ptr, temperature, id_offset,
+    x_ptr, cand_ptr, n_live_ptr, temperature, vals_ptr, id_offset,
     shard_base, shard_rem, stride_xr, stride_cr, stride_cs, stride_ct,
     K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, GREEDY: tl.constexpr,
-    BITONIC: tl.constexpr,
+    BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr,
 ):
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
@@ -181,6 +182,8 @@ def _scan_kernel(
     if GREEDY:
         z = x
     else:
+        if VALS_FROM_PTR:  # kernels/sampler_values.py: [temperature, top_p, apply_top_p]
+            temperature = tl.load(vals_ptr)
         z = tl.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * temperature)
     keys = tl.where(live, order_key(z, idx), EMPTY)  # [TILE]
     slot = tl.arange(0, KP)
@@ -193,10 +196,10 @@ def _merge_kernel(
     cand_ptr, stride_cr, stride_cs, stride_cg, G,
     keys_ptr, stride_kr, stride_ks,
     tok_ptr, ids_ptr, probs_ptr, stride_ir, stride_pr,
-    pos_ptr, seed, seed_ptr, n_live_ptr, top_p, apply_top_p, purpose, index,
+    pos_ptr, seed, seed_ptr, n_live_ptr, top_p, apply_top_p, vals_ptr, purpose, index,
     K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr,
     FINAL: tl.constexpr, GREEDY: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
-    LIBDEVICE: tl.constexpr, BITONIC: tl.constexpr,
+    LIBDEVICE: tl.constexpr, BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr,
 ):
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
@@ -242,6 +245,9 @@ def _merge_kernel(
     tl.debug_barrier()
     tl.store(prow + rp, p, mask=valid)  # (p desc, id asc) order
     tl.debug_barrier()
+    if VALS_FROM_PTR:
+        top_p = tl.load(vals_ptr + 1)
+        apply_top_p = (tl.load(vals_ptr + 2) != 0.0).to(tl.int32)
     c = tl.full([], 0.0, tl.float32)
     first = tl.full([], K, tl.int32)
     s2 = c
@@ -310,10 +316,24 @@ def _fail(msg: str):
     raise ValueError(f"kernels.sampler: {msg}")
 
 
+def _split(params, vocab: int, device):
+    """(host parameters for the checks and scalar arguments, DeviceSampling.values or None).
+    A DeviceSampling's values were validated on the host when written; its host stand-in
+    carries only its shape (top_k, greedy) — the kernels read temperature and top-p from values."""
+    if isinstance(params, DeviceSampling):
+        _check("params.values", params.values, 1, (torch.float32,), device)
+        if params.values.numel() != 3:
+            _fail(f"params.values must hold 3 values, got {params.values.numel()}")
+        stand_in = SamplingDefaults(0.0 if params.greedy else 1.0, params.top_k, 1.0)
+        return stand_in, params.values
+    return params, None
+
+
 def _check_params(params: SamplingDefaults, vocab: int) -> int:
     """The top-K width K of the kernels (1 when greedy)."""
     if not isinstance(params, SamplingDefaults):
-        _fail(f"params must be a SamplingDefaults, got {type(params).__name__}")
+        _fail(f"params must be a SamplingDefaults or a DeviceSampling, got "
+              f"{type(params).__name__}")
     try:
         params.validate(vocab, where="params")
     except ValueError as e:
@@ -377,22 +397,22 @@ def _tiles(shard_vocab: int, kp: int, cfg: SamplerLaunch) -> int:
     return tiles
 
 
-def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0):
-    """Launch 1: per-tile top-K keys, cand [R, N, T, KP]."""
+def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0, values=None):
+    """Launch 1: per-tile top-K keys, cand [R, N, T, KP]. values: DeviceSampling.values."""
     R, V = x.shape
     base, rem = divmod(V, shards)
     tiles = _tiles(base + (rem > 0), kp, cfg)
     cand = torch.empty(R, shards, tiles, kp, dtype=torch.int64, device=x.device)
     _scan_kernel[(R, shards, tiles)](
-        x, cand, n_live, float(temperature), id_offset, base, rem, x.stride(0),
-        *cand.stride()[:3],
+        x, cand, n_live, float(temperature), values if values is not None else x, id_offset,
+        base, rem, x.stride(0), *cand.stride()[:3],
         K=k, KP=kp, TILE=cfg.tile, GREEDY=greedy, BITONIC=cfg.select == "bitonic",
-        num_warps=cfg.scan_warps, **_COMPILE,
+        VALS_FROM_PTR=values is not None, num_warps=cfg.scan_warps, **_COMPILE,
     )
     return cand
 
 
-def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None):
+def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, values=None):
     """Launch 2/3 over candidates [R, S, G, KP]: keys_out [R, S, KP] (local) or final sampling."""
     R, S = cand.shape[0], cand.shape[1]
     cp = triton.next_power_of_2(groups * kp)
@@ -415,10 +435,11 @@ def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None):
         cand, cand.stride(0), cand.stride(1), cand.stride(2), groups,
         keys_out, *sk, tok, ids, probs, si, sp,
         pos, seed, seed_t if seed_t is not None else tok, n_live, float(top_p), apply,
-        purpose, index,
+        values if values is not None else cand, purpose, index,
         K=k, KP=kp, GP=triton.next_power_of_2(groups), CP=cp, FINAL=final is not None,
         GREEDY=greedy, SEED_FROM_PTR=seed_t is not None, LIBDEVICE=not _interpreting(),
-        BITONIC=cfg.select == "bitonic", num_warps=cfg.merge_warps, **_COMPILE,
+        BITONIC=cfg.select == "bitonic", VALS_FROM_PTR=values is not None,
+        num_warps=cfg.merge_warps, **_COMPILE,
     )
 
 
@@ -450,7 +471,7 @@ def _check_positions(positions, rows: int, device) -> None:
 
 def sample(
     logits: torch.Tensor,  # [R, V] fp32, unit column stride
-    params: SamplingDefaults,
+    params: SamplingDefaults | DeviceSampling,
     seed,  # int in [0, 2^64) or device int64 [1]
     positions: torch.Tensor,  # [R] int64/int32 device; row r uses (seed, positions[r], ...)
     purpose: Purpose = Purpose.TARGET_SAMPLE,
@@ -472,6 +493,7 @@ def sample(
     if V >= 2**31:
         _fail(f"vocabulary {V} must be < 2^31")
     dev = logits.device
+    params, values = _split(params, V, dev)
     k = _check_params(params, V)
     kp = max(2, triton.next_power_of_2(k))
     _check_positions(positions, R, dev)
@@ -483,20 +505,20 @@ def sample(
     greedy = params.temperature == 0.0
     res = _outputs(out, R, k, dev)
     cfg = config or sampler_launch(-(-V // shards))
-    cand = _scan(logits, k, kp, greedy, params.temperature or 1.0, shards, n, cfg)
+    cand = _scan(logits, k, kp, greedy, params.temperature or 1.0, shards, n, cfg, values=values)
     if shards > 1:
         local = torch.empty(R, shards, kp, dtype=torch.int64, device=dev)
         _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=local)
         cand = local[:, None]  # [R, 1, N, KP]: the shards' lists are the final merge's groups
     final = (res.tokens, res.ids, res.probs, positions, seed_v, seed_t, params.top_p,
              int(params.top_p < 1.0), purpose_v, index_v, greedy)
-    _merge(cand, cand.shape[2], n, k, kp, cfg, final=final)
+    _merge(cand, cand.shape[2], n, k, kp, cfg, final=final, values=values)
     return res
 
 
 def topk_candidates(
     logits: torch.Tensor,  # [R, Vs] fp32, unit column stride: this rank's vocabulary slice
-    params: SamplingDefaults,
+    params: SamplingDefaults | DeviceSampling,
     vocab_offset: int,  # global id of column 0
     vocab: int,  # the full vocabulary V (for the parameter check)
     *,
@@ -515,12 +537,13 @@ def topk_candidates(
     ):
         _fail(f"vocab_offset={vocab_offset!r}: need 0 <= offset and offset + Vs={V} <= "
               f"vocab={vocab} < 2^31")
+    params, values = _split(params, vocab, logits.device)
     k = _check_params(params, vocab)
     kp = max(2, triton.next_power_of_2(k))
     n = _n_live(n_live, R, logits.device)
     cfg = config or sampler_launch(V)
     cand = _scan(logits, k, kp, params.temperature == 0.0, params.temperature or 1.0, 1, n, cfg,
-                 id_offset=vocab_offset)
+                 id_offset=vocab_offset, values=values)
     keys = torch.empty(R, 1, kp, dtype=torch.int64, device=logits.device)
     _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=keys)
     return keys[:, 0]
@@ -528,7 +551,7 @@ def topk_candidates(
 
 def sample_from_candidates(
     keys: torch.Tensor,  # [R, G, KP] int64 order keys (e.g. all-gathered topk_candidates)
-    params: SamplingDefaults,
+    params: SamplingDefaults | DeviceSampling,
     seed,
     positions: torch.Tensor,  # [R]
     purpose: Purpose = Purpose.TARGET_SAMPLE,
@@ -544,6 +567,7 @@ def sample_from_candidates(
     _check("keys", keys, 3, (torch.int64,), None)
     R, G, KPk = keys.shape
     dev = keys.device
+    params, values = _split(params, vocab, dev)
     k = _check_params(params, vocab)
     kp = max(2, triton.next_power_of_2(k))
     if KPk != kp or keys.stride(2) != 1 or R < 1 or G < 1:
@@ -556,7 +580,8 @@ def sample_from_candidates(
     res = _outputs(out, R, k, dev)
     final = (res.tokens, res.ids, res.probs, positions, seed_v, seed_t, params.top_p,
              int(params.top_p < 1.0), purpose_v, index_v, params.temperature == 0.0)
-    _merge(keys[:, None], G, n, k, kp, config or sampler_launch(vocab), final=final)
+    _merge(keys[:, None], G, n, k, kp, config or sampler_launch(vocab), final=final,
+           values=values)
     return res
 
 

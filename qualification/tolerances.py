@@ -437,6 +437,13 @@ _ROWS: tuple[Tolerance, ...] = (
         "RNG keyed without the position; purpose ignored (test_sampler.py)",
     ),
     Tolerance(
+        "kernels.sampler.device_values", "exact", 0.0, 0.0,
+        "kernels.sampler_values.DeviceSampling: the kernels load the same fp32 temperature and "
+        "top-p (and the host-decided top-p switch) that the scalar path passes as arguments, so "
+        "tokens, ids and probabilities are the same bits",
+        "values not read after update (test_sampler_values.py: probabilities must change)",
+    ),
+    Tolerance(
         "kernels.verify", "int64", 0.0, 0.0,
         "(n_accepted, next_token, bonus, emitted) equal reference.rejection.verify on the same "
         "sparse p/q bit for bit: only fp32 u·q < p, p − q, div_rn and sequential sums in the "

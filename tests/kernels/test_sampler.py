@@ -465,7 +465,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
 
     i32 = "i32"
     scan = [("x_ptr", "*fp32"), ("cand_ptr", "*i64"), ("n_live_ptr", "*i32"),
-            ("temperature", "fp32")] + [(n, i32) for n in (
+            ("temperature", "fp32"), ("vals_ptr", "*fp32")] + [(n, i32) for n in (
                 "id_offset", "shard_base", "shard_rem", "stride_xr", "stride_cr", "stride_cs",
                 "stride_ct")]
     merge = [("cand_ptr", "*i64")] + [(n, i32) for n in (
@@ -473,26 +473,30 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         (n, i32) for n in ("stride_kr", "stride_ks")] + [
         ("tok_ptr", "*i64"), ("ids_ptr", "*i64"), ("probs_ptr", "*fp32"), ("stride_ir", i32),
         ("stride_pr", i32), ("pos_ptr", "*i64"), ("seed", "u64"), ("seed_ptr", "*i64"),
-        ("n_live_ptr", "*i32"), ("top_p", "fp32")] + [
-        (n, i32) for n in ("apply_top_p", "purpose", "index")]
+        ("n_live_ptr", "*i32"), ("top_p", "fp32"), ("apply_top_p", i32), ("vals_ptr", "*fp32")
+    ] + [(n, i32) for n in ("purpose", "index")]
     ver = [("p_ids_ptr", "*i64"), ("p_probs_ptr", "*fp32"), ("q_ids_ptr", "*i64"),
            ("q_probs_ptr", "*fp32"), ("drafts_ptr", "*i64"), ("nd_ptr", "*i32"), ("seed", "i64"),
            ("seed_ptr", "*i64"), ("first", "i64"), ("first_ptr", "*i64"), ("acc_ptr", "*i32"),
            ("tok_ptr", "*i64"), ("bonus_ptr", "*i32"), ("emit_ptr", "*i64"),
            ("wf_ptr", "*fp32"), ("wi_ptr", "*i64")] + [
-        (n, i32) for n in ("D", "WP", "WQ", "s_pi", "s_pp", "s_qi", "s_qp")]
+        (n, i32) for n in ("D", "WP", "WQ", "s_pi", "s_pp", "s_qi", "s_qp", "b_pi", "b_pp",
+                           "b_qi", "b_qp")]
     fin = {"K": 20, "KP": 32, "GP": 32, "CP": 1024, "FINAL": True, "GREEDY": False,
-           "SEED_FROM_PTR": False, "LIBDEVICE": True}
+           "SEED_FROM_PTR": False, "LIBDEVICE": True, "VALS_FROM_PTR": False}
     vc = {"DP": 8, "KP": 32, "KQ": 32, "SEED_FROM_PTR": False, "FIRST_FROM_PTR": False}
     return {
-        "scan": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192, "GREEDY": False},
-                      8),
+        "scan": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192, "GREEDY": False,
+                                             "VALS_FROM_PTR": False}, 8),
+        "scan_vals_ptr": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192,
+                                                      "GREEDY": False, "VALS_FROM_PTR": True}, 8),
         "scan_greedy": build(S._scan_kernel, scan, {"K": 1, "KP": 2, "TILE": 8192,
-                                                    "GREEDY": True}, 8),
+                                                    "GREEDY": True, "VALS_FROM_PTR": False}, 8),
         "merge_final": build(S._merge_kernel, merge, fin),
         "merge_final_no_libdevice": build(S._merge_kernel, merge, fin | {"LIBDEVICE": False}),
         "merge_final_seed_ptr_ones": build(S._merge_kernel, merge, fin | {
             "SEED_FROM_PTR": True, "G": 1, "index": 1, "purpose": 1, "apply_top_p": 1}),
+        "merge_final_vals_ptr": build(S._merge_kernel, merge, fin | {"VALS_FROM_PTR": True}),
         "merge_local": build(S._merge_kernel, merge, fin | {"FINAL": False}),
         "merge_greedy": build(S._merge_kernel, merge, fin | {"K": 1, "KP": 2, "GREEDY": True}),
         "verify": build(VF._verify_kernel, ver, vc),
@@ -516,6 +520,7 @@ def test_compiled_kernels_build_for_sm90():
     for name, st in stats.items():
         assert st["div.full"] == 0 and st["div.approx"] == 0 and st["ftz_other"] == 0, name
     assert stats["scan"]["div.rn.f32"] > 0 and stats["scan"]["fma."] == 0
+    assert stats["scan_vals_ptr"]["div.rn.f32"] > 0 and stats["scan_vals_ptr"]["fma."] == 0
     assert stats["merge_final_no_libdevice"]["fma."] == 0
     assert stats["verify"]["fma."] == 0 and stats["verify"]["bar.sync"] > 0
     assert stats["merge_final"]["bar.sync"] >= 5 and stats["merge_final"]["div.rn.f32"] > 0
