@@ -102,7 +102,7 @@ def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
 
     st = eng.session.device
     st.done.fill_(1)
-    program = RoundProgram(eng, st, req, eng.rcfg.policy)
+    program = RoundProgram(eng, st, eng.rcfg.policy)
     program()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -24,7 +24,7 @@ import torch
 
 from iquestrt.config import RuntimeConfig
 from reference.config import FULL, ModelConfig
-from reference.kv_layout import KVLayout, LayerKV
+from reference.kv_layout import EMPTY, KVLayout, LayerKV
 
 DRAFT_START = 1
 
@@ -67,6 +67,14 @@ class RuntimeCaches:
         keep = max(DRAFT_START, min(keep, self.draft_next))
         ops.rollback(self.draft, keep, self.draft_next)
         self.draft_next = keep
+
+    def reset(self) -> None:
+        """Empty, in place, as `create` made them (a new request on the same tensors)."""
+        for layer in [*self.target, self.draft]:
+            layer.k.zero_()
+            layer.v.zero_()
+            layer.slot_pos.fill_(EMPTY)
+        self.target_len, self.draft_next = 0, DRAFT_START
 
     def clone(self) -> RuntimeCaches:
         return RuntimeCaches([c.clone() for c in self.target], self.draft.clone(),

@@ -52,6 +52,7 @@ from iquestrt.state import (
 )
 from iquestrt.weights import Weights, load_weights
 from kernels.sampler import MAX_TOP_K
+from kernels.sampler_values import DeviceSampling
 from reference.depth import DraftInfo
 from reference.rng import Purpose
 from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, emit
@@ -74,6 +75,10 @@ class Session:
     rounds: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     device: DeviceState | None = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
@@ -101,6 +106,10 @@ class Engine:
         self.draft = DraftModel(weights, self.ops, rcfg.max_width)
         self.programs = RoundPrograms(rcfg.graphs, rcfg.loop)
         self.session: Session | None = None
+        # kept across requests so a captured round graph stays valid (it reads these tensors)
+        self._caches: RuntimeCaches | None = None
+        self._flags: torch.Tensor | None = None
+        self._state: DeviceState | None = None
 
     @classmethod
     def from_checkpoint(cls, directory, rcfg: RuntimeConfig) -> Engine:
@@ -180,11 +189,7 @@ class Engine:
         tokens, handing on_tokens the new tokens — it returns False to cancel the request
         (stop_reason "cancelled"); else every RuntimeConfig.sync_rounds rounds."""
         self.validate(req)
-        dev, rows = self.w.device, self.rcfg.max_width
-        cap = len(req.prompt_ids) + req.max_new_tokens + rows
-        st = Session(req, RuntimeCaches.create(self.cfg, self.rcfg, cap, dev),
-                     torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32,
-                                 device=dev), list(req.prompt_ids))
+        st = Session(req, *self._request_caches(), list(req.prompt_ids))
         self.session = st
         try:
             first, hidden = self._prefill(st)
@@ -196,6 +201,21 @@ class Engine:
         except EngineError:
             self.ops.reset()
             raise
+
+    def _request_caches(self) -> tuple[RuntimeCaches, torch.Tensor]:
+        """The engine's caches (capacity RuntimeConfig.max_positions) and readiness flags,
+        emptied for a new request: the same tensors every request, so round graphs captured on
+        them serve later requests."""
+        if self._caches is None:
+            dev = self.w.device
+            self._caches = RuntimeCaches.create(self.cfg, self.rcfg,
+                                                self.rcfg.positions_cap(self.cfg), dev)
+            self._flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32,
+                                      device=dev)
+        else:
+            self._caches.reset()
+            self._flags.zero_()
+        return self._caches, self._flags
 
     def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
         """Target over the prompt, then the first token and the draft's prefill
@@ -243,15 +263,26 @@ class Engine:
     def _prepare(self, st: Session, hidden: torch.Tensor):
         """Device state from the prefill, and the round program (captured when graphs are on):
         outside the decode clock, like prefill."""
-        req, rows, dev = st.req, self.rcfg.max_width, self.w.device
-        width = 1 if req.sampling.temperature == 0 else req.sampling.top_k
-        ds = DeviceState.create(
-            positions=len(st.tokens) + req.max_new_tokens + rows, rows=rows,
-            hidden=self.cfg.target.hidden_size, width=width, max_rounds=req.max_new_tokens,
-            stop_ids=req.stop_ids, max_new=req.max_new_tokens, device=dev)
+        req, vocab = st.req, self.cfg.target.vocab_size
+        ds, reuse = self._state, True
+        if ds is None or not ds.fits(req):
+            ds, reuse = self._new_state(req), False
+        ds.begin(req, vocab)
         ds.start(st.tokens, hidden[-1], st.caches.draft_next)
-        st.device = ds
-        return self.programs.get(self, ds, req, self.rcfg.policy)
+        st.device = self._state = ds
+        return self.programs.get(self, ds, self.rcfg.policy, reuse=reuse)
+
+    def _new_state(self, req: GenerationRequest) -> DeviceState:
+        """Device state for req's shape (top_k / greedy, stop ids) with power-of-two room for
+        its positions and rounds, so that later requests of the shape fit it too."""
+        rows, dev, cap = self.rcfg.max_width, self.w.device, self.rcfg.positions_cap(self.cfg)
+        need = len(req.prompt_ids) + 1 + req.max_new_tokens + rows
+        return DeviceState.create(
+            positions=min(_pow2(need), cap + 1 + rows), rows=rows,
+            hidden=self.cfg.target.hidden_size,
+            max_rounds=min(_pow2(req.max_new_tokens), cap), stops=max(8, len(req.stop_ids)),
+            sampling=DeviceSampling.create(req.sampling, self.cfg.target.vocab_size, dev),
+            device=dev)
 
     def _loop(self, st: Session, launcher, on_round, on_tokens=None) -> None:
         """The decode clock: launch rounds, read the log, stop at the request's end."""
@@ -261,7 +292,7 @@ class Engine:
         elif on_tokens is not None:
             every = max(1, STREAM_TOKENS // (self.rcfg.policy.max_depth + 1))
         elif self.rcfg.loop == "device":
-            every = ds.max_new  # a round emits >= 1 token: one launch runs the whole request
+            every = st.req.max_new_tokens  # a round emits >= 1 token: one launch runs it all
         else:
             every = self.rcfg.sync_rounds
         read, sent = 0, 0

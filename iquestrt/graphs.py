@@ -26,7 +26,6 @@ from iquestrt.cond_graph import CondGraph
 from iquestrt.device_loop import ConditionKernel
 from iquestrt.round import RoundProgram
 from iquestrt.state import DeviceState
-from reference.speculative import GenerationRequest
 
 
 class Launcher:
@@ -64,11 +63,21 @@ class RoundPrograms:
         self.graphs, self.loop = graphs, loop
         self.launcher: Launcher | None = None
         self._cond: ConditionKernel | None = None  # compiled once per engine
+        self._state: DeviceState | None = None  # the state the launcher's program reads
+        self.built = self.reused = 0  # launchers built (graphs captured) / reused
 
-    def get(self, engine, st: DeviceState, req: GenerationRequest, policy) -> Launcher:
+    def get(self, engine, st: DeviceState, policy, reuse: bool = False) -> Launcher:
+        """The launcher of st's round program; reuse: st is the state the current launcher
+        was built (and its graphs captured) on, refilled for a new request of the same shape —
+        nothing is rebuilt or recaptured."""
+        if reuse and self.launcher is not None and self._state is st:
+            self.reused += 1
+            return self.launcher
         if self.launcher is not None:
             self.launcher.close()
-        program = RoundProgram(engine, st, req, policy)
+        self._state = st
+        self.built += 1
+        program = RoundProgram(engine, st, policy)
         if not self.graphs:
             self.launcher = Launcher(program)
             return self.launcher

@@ -38,7 +38,6 @@ from iquestrt.state import (
 )
 from reference.depth import AdaptiveDepth, FixedDepth, init_features, push_features
 from reference.rng import Purpose
-from reference.speculative import GenerationRequest
 
 
 def _finite_rows(logits: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
@@ -85,9 +84,11 @@ class RoundProgram:
     depth parts ran or not. Fixed depth: one part. Calling the program runs the parts in order
     (later depths gated by 0 live rows, or on the CPU skipped)."""
 
-    def __init__(self, engine, st: DeviceState, req: GenerationRequest,
-                 policy: FixedDepth | AdaptiveDepth):
-        self.e, self.st, self.req, self.depth = engine, st, req, policy.max_depth
+    def __init__(self, engine, st: DeviceState, policy: FixedDepth | AdaptiveDepth):
+        """Reads the request only through st (its seed, sampling values, budget and stop ids on
+        the device), so one program — and a graph captured from it — serves every request that
+        st.fits."""
+        self.e, self.st, self.depth = engine, st, policy.max_depth
         self.adaptive = policy if isinstance(policy, AdaptiveDepth) else None
         self.table = self.adaptive.table(st.tokens.device) if self.adaptive else None
         self._host_cpu = st.tokens.device.type == "cpu"  # device reads are free there
@@ -162,7 +163,7 @@ class RoundProgram:
 
     def _steps(self, cy: _Carry, j0: int, j1: int, forward_first: bool = False) -> None:
         """Depths j0 … j1−1: [forward of depth j,] sample its draft, control step."""
-        st, e, ops, req = self.st, self.e, self.e.ops, self.req
+        st, e, ops = self.st, self.e, self.e.ops
         R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
         for j in range(j0, j1):
             if j > j0 or forward_first:
@@ -179,7 +180,7 @@ class RoundProgram:
                 cy.last = torch.zeros_like(cy.last)
                 cy.nxt = cy.nxt + cy.one
             row = cy.logits.index_select(0, cy.last)  # [1, V]: the depth's last row
-            out = ops.sample(row, req.sampling, req.seed, cy.nxt.long(), Purpose.DRAFT_SAMPLE,
+            out = ops.sample(row, st.sampling, st.seed, cy.nxt.long(), Purpose.DRAFT_SAMPLE,
                              Live.on_device(cy.one))
             live = cy.one > 0
             y = torch.where(live, out.tokens[:1], 0)  # [1]
@@ -195,7 +196,7 @@ class RoundProgram:
                 cy.one = cy.one * more.to(torch.int32)
 
     def post(self) -> None:
-        st, e, ops, req = self.st, self.e, self.e.ops, self.req
+        st, e, ops = self.st, self.e, self.e.ops
         R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
         caches = e.session.caches
         go = 1 - st.done
@@ -212,9 +213,9 @@ class RoundProgram:
         st.record_fault(_finite_rows(logits, n_t, ar), FAULT_TARGET_LOGITS, 0, 0)
         if self._host_stop():
             return
-        p = ops.sample(logits, req.sampling, req.seed, (m + 1 + ar).long(),
+        p = ops.sample(logits, st.sampling, st.seed, (m + 1 + ar).long(),
                        Purpose.TARGET_SAMPLE, Live.on_device(n_t))
-        v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, req.seed, (m + 1).long(),
+        v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, st.seed, (m + 1).long(),
                        Live.on_device(n_d.to(torch.int32)))
         a = (v.n_accepted * go).to(torch.int32)  # [1]
         nxt_tok = v.next_token[:1]

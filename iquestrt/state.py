@@ -32,6 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.sampler_values import DeviceSampling
+from reference.speculative import GenerationRequest
+
 FAULT_NONE, FAULT_READINESS, FAULT_TARGET_LOGITS, FAULT_DRAFT_LOGITS, FAULT_TOKEN = range(5)
 HEAD = ("m", "accepted", "bonus", "drafts", "emitted")
 
@@ -45,7 +48,9 @@ class DeviceState:
     hidden: torch.Tensor  # [R, H] bf16
     hidden_at: torch.Tensor  # [1] int32
     n_new: torch.Tensor  # [1] int32 tokens emitted so far (the prefill's first included)
-    max_new: int
+    max_new: torch.Tensor  # [1] int32 the request's token budget
+    seed: torch.Tensor  # [1] int64 the request seed's bits (kernels.sampler.seed_args)
+    sampling: DeviceSampling  # temperature / top-p on the device; top_k, greedy: the shape
     done: torch.Tensor  # [1] int32
     round: torch.Tensor  # [1] int32 rounds committed
     fault: torch.Tensor  # [4] int64
@@ -57,16 +62,21 @@ class DeviceState:
     ar: torch.Tensor  # [R] int32 0 … R−1 (a constant)
 
     @classmethod
-    def create(cls, *, positions: int, rows: int, hidden: int, width: int, max_rounds: int,
-               stop_ids: tuple[int, ...], max_new: int, device) -> DeviceState:
+    def create(cls, *, positions: int, rows: int, hidden: int, max_rounds: int, stops: int,
+               sampling: DeviceSampling, device) -> DeviceState:
+        """Buffers for any request of one shape (RequestShape) within the capacities:
+        positions (tokens), max_rounds (log rows), stops (stop ids); `begin` fills one in."""
         i32 = dict(dtype=torch.int32, device=device)
-        stop = torch.tensor(list(stop_ids) or [-2], dtype=torch.int64, device=device)
+        stop = torch.full((max(1, stops),), -2, dtype=torch.int64, device=device)
+        width = 1 if sampling.greedy else sampling.top_k
         L = max_rounds
         return cls(
             tokens=torch.zeros(positions + 1, dtype=torch.int64, device=device),
             stop=stop, m=torch.zeros(1, **i32), draft_next=torch.zeros(1, **i32),
             hidden=torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device),
-            hidden_at=torch.zeros(1, **i32), n_new=torch.zeros(1, **i32), max_new=max_new,
+            hidden_at=torch.zeros(1, **i32), n_new=torch.zeros(1, **i32),
+            max_new=torch.zeros(1, **i32), seed=torch.zeros(1, dtype=torch.int64, device=device),
+            sampling=sampling,
             done=torch.zeros(1, **i32), round=torch.zeros(1, **i32),
             fault=torch.zeros(4, dtype=torch.int64, device=device),
             head=torch.zeros(L + 1, len(HEAD), **i32),
@@ -88,6 +98,29 @@ class DeviceState:
     @property
     def dump_slot(self) -> int:
         return self.tokens.shape[0] - 1
+
+    def fits(self, req: GenerationRequest) -> bool:
+        """Whether this state (and a round graph captured on it) can serve req."""
+        return (self.sampling.matches(req.sampling) and len(req.stop_ids) <= self.stop.shape[0]
+                and len(req.prompt_ids) + 1 + req.max_new_tokens + self.rows <= self.dump_slot
+                and req.max_new_tokens <= self.dump_row)
+
+    def begin(self, req: GenerationRequest, vocab: int) -> None:
+        """A new request on these buffers: its budget, stop ids, seed and sampling values, and
+        every counter, flag and log row as `create` left them (in place: a captured round graph
+        reads the same tensors)."""
+        if not self.fits(req):
+            raise ValueError("DeviceState.begin: the request does not fit this state's shape")
+        self.sampling.update(req.sampling, vocab)
+        self.stop.fill_(-2)
+        if req.stop_ids:
+            self.stop[: len(req.stop_ids)] = torch.tensor(req.stop_ids, dtype=torch.int64)
+        self.max_new.fill_(req.max_new_tokens)
+        self.seed.fill_(req.seed - 2**64 if req.seed >= 2**63 else req.seed)
+        for t in (self.done, self.round, self.fault, self.head, self.drafts, self.q_probs):
+            t.zero_()
+        for t in (self.emitted, self.q_ids):
+            t.fill_(-1)
 
     def start(self, tokens: list[int], hidden_last: torch.Tensor, draft_next: int) -> None:
         """After prefill: tokens = prompt + the first sampled token (position m = len − 1);

@@ -125,7 +125,9 @@ class RankEngine(Engine):
     def _prepare(self, st: Session, hidden: torch.Tensor):
         launcher = super()._prepare(st, hidden)
         if self._cuda() and getattr(launcher, "one_round", None) is not None:
-            inner, events = launcher.one_round, []
+            # a launcher reused by a later request keeps its first, unwrapped round
+            inner = launcher.__dict__.setdefault("unwrapped_round", launcher.one_round)
+            events = []
 
             def one_round() -> None:
                 inner()
@@ -166,4 +168,4 @@ class RankEngine(Engine):
 
     def eager_round(self, st: Session) -> None:
         """One real round of the request, launched eagerly (the profiler's round)."""
-        RoundProgram(self, st.device, st.req, self.rcfg.policy)()
+        RoundProgram(self, st.device, self.rcfg.policy)()

@@ -1,0 +1,86 @@
+"""One engine serving several requests: caches, readiness flags, device state and the round
+program (with its captured graphs on a GPU) are reused for every request of one shape (top_k /
+greedy, stop-id room, positions and rounds within the state's capacity). A request on reused
+buffers must give exactly what a fresh engine gives: tokens, every round record, cache contents.
+
+Dimension letters: none (token lists and digests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from iquestrt.config import RuntimeConfig
+from iquestrt.engine import Engine
+from iquestrt.snapshot import caches_digest
+from iquestrt.weights import from_checkpoint
+from reference.checkpoint import load_checkpoint
+from reference.config import SamplingDefaults
+from reference.depth import FixedDepth
+from reference.speculative import GenerationRequest
+from tests.test_engine_setup import SAMPLING, make_ckpt, rounds_key
+
+PROMPT = (5, 17, 300, 22, 9, 411, 78, 150, 3, 64, 200)
+A = GenerationRequest(PROMPT * 3, 40, SAMPLING, 3)
+# B's stop id is a token E emits in a round: a stop list left over from B would end E early
+B = GenerationRequest(PROMPT[:7], 24, SamplingDefaults(0.7, 20, 0.8), 2**63 + 5, stop_ids=(286,))
+E = GenerationRequest(PROMPT[2:], 30, SAMPLING, 11)
+C = GenerationRequest(PROMPT, 12, SamplingDefaults(1.0, 8, 0.95), 9)  # top_k 8: another shape
+D = GenerationRequest(PROMPT, 100, SAMPLING, 4)  # more rounds than A's state holds
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return load_checkpoint(make_ckpt(tmp_path_factory.mktemp("corr"), "correlated"))
+
+
+def engine(ck, device="cpu", **kw) -> Engine:
+    rcfg = RuntimeConfig(ops="twins" if device == "cpu" else "kernels", device=device,
+                         ring_pad=8, max_positions=256, policy=FixedDepth(3), **kw)
+    return Engine(from_checkpoint(ck, device, 256), rcfg)
+
+
+def outcome(eng: Engine, req: GenerationRequest):
+    res = eng.generate(req)
+    return res.tokens, rounds_key(res), caches_digest(eng.session.caches)
+
+
+def check_sequence(ck, device="cpu", **kw) -> Engine:
+    eng = engine(ck, device, **kw)
+    for i, req in enumerate((A, B, E, C, B, D)):
+        got, want = outcome(eng, req), outcome(engine(ck, device, **kw), req)
+        assert got[0] == want[0], f"request {i}: tokens differ from a fresh engine's"
+        assert got[1] == want[1], f"request {i}: round records differ"
+        assert got[2] == want[2], f"request {i}: caches differ"
+    return eng
+
+
+def test_reused_buffers_equal_a_fresh_engine(ckpt):
+    eng = check_sequence(ckpt)
+    # A builds; B, E reuse; C (top_k 8) builds; B (top_k 20 again) builds; D (more rounds) builds
+    assert (eng.programs.built, eng.programs.reused) == (4, 2)
+
+
+def test_reuse_needs_the_state_reset(ckpt, monkeypatch):
+    """Without DeviceState.begin's reset the second request reads the first one's counters:
+    the comparison above must see it."""
+    from iquestrt.state import DeviceState
+
+    real = DeviceState.begin
+
+    def no_reset(self, req, vocab):
+        done = self.round.clone()
+        real(self, req, vocab)
+        self.round.copy_(done)  # the round counter of the previous request survives
+
+    monkeypatch.setattr(DeviceState, "begin", no_reset)
+    eng = engine(ckpt)
+    outcome(eng, A)
+    with pytest.raises(AssertionError):
+        assert outcome(eng, B) == outcome(engine(ckpt), B)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_graphs_are_captured_once_per_shape(ckpt, loop):
+    eng = check_sequence(ckpt, "cuda", graphs=True, loop=loop)
+    assert (eng.programs.built, eng.programs.reused) == (4, 2)
