@@ -9,6 +9,10 @@ or by a WHILE graph on the device (iquestrt/graphs.py). The host reads the resul
 round when `on_round` watches, about every STREAM_TOKENS tokens when streaming, else every
 RuntimeConfig.sync_rounds rounds (host loop) or once at the end (device loop); on the CPU every
 round (reads are free). Every wait for the device is bounded (RuntimeConfig.wait_s).
+Across requests the engine keeps its caches (capacity RuntimeConfig.max_positions), readiness
+flags, device state and round program — and so the program's captured graphs — for every request
+whose shape the state fits (DeviceState.fits: top_k / greedy, stop-id room, positions and
+rounds); DeviceState.begin refills them in place. Another shape builds (and captures) anew.
 One round (m = position of the newest token x_m, not yet in the target cache):
   1. draft depth 0 over the catch-up rows draft_next … m (token at p, target hidden of p−1);
      depths 1 … D−1 one row each. Each depth's last row is sampled (DRAFT_SAMPLE at the next
