@@ -14,7 +14,9 @@ blocks is zero. Every rank block then holds indices of exactly one checkpoint bl
 is that block's scale and a dequantized rank tensor equals the checkpoint's rows bit for bit. The
 price is the zero channels: an output dimension gets junk channels (zero; a consumer reads the
 runs through `gather`), an input dimension needs its activation scattered into the same layout
-(`scatter`; zeros meet zero weights). `overhead` states the extra bytes — for IQuest-Q1's experts
+(`scatter`; zeros meet zero weights); gate and up halves are laid out alike (`paired`) so the
+SwiGLU pairs channel j with channel j and the down projection's input plan is the half's.
+`overhead` states the extra bytes — for IQuest-Q1's experts
 at TP8 +33 % per rank, which is why a kernel-side scale offset (scale row (i + start mod 128) //
 128, no extra bytes) is the layout to aim for once the FP8 kernels take it.
 
@@ -95,6 +97,28 @@ def padded(runs: list[range]) -> DimPlan:
     return DimPlan(tuple(placed), at)
 
 
+def paired(runs: list[range]) -> DimPlan:
+    """Gate / up halves (expert_fc, dense_fc): each half in `size/2` channels with the same
+    layout as the first run's own padded plan — what the SwiGLU pairing of channel j of the
+    gate half with channel j of the up half needs, and what the down projection's input plan
+    (`padded([runs[0]])`) then matches. A later run takes the first run's in-block offset;
+    that keeps one checkpoint block per rank block when its start has the same residue mod
+    BLOCK, or when it lies inside one checkpoint block and one rank block (tiny's 32-channel
+    shares); otherwise ValueError."""
+    first = padded([runs[0]])
+    off = first.runs[0].at
+    placed = [Run(r.start, r.stop, i * first.size + off) for i, r in enumerate(runs)]
+    plan = DimPlan(tuple(placed), first.size * len(runs))
+    for r in runs[1:]:
+        if len(r) != len(runs[0]):
+            raise ValueError(f"tp.plan.paired: runs of unequal length {len(runs[0])}, {len(r)}")
+    try:
+        plan.source_blocks()
+    except AssertionError as e:
+        raise ValueError(f"tp.plan.paired: runs {runs} cannot share one layout: {e}") from e
+    return plan
+
+
 def rank_runs(cfg: ModelConfig, tp: int, rank: int, kind: str) -> list[range]:
     """Checkpoint index runs of rank `rank` of `tp` along one dimension:
     q / kv / qkv (QKV output rows), o_in (O projection input), expert (one expert's intermediate:
@@ -146,5 +170,8 @@ def shard_cols(w: torch.Tensor, s: torch.Tensor, plan: DimPlan
 
 def overheads(cfg: ModelConfig, tp: int) -> dict[str, float]:
     """The padded layout's worst extra bytes over the ranks, per dimension kind."""
-    return {kind: max(padded(rank_runs(cfg, tp, r, kind)).overhead for r in range(tp))
-            for kind in KINDS}
+    def plan(r: int, kind: str) -> DimPlan:
+        runs = rank_runs(cfg, tp, r, kind)
+        return paired(runs) if kind.endswith("_fc") else padded(runs)
+
+    return {kind: max(plan(r, kind).overhead for r in range(tp)) for kind in KINDS}

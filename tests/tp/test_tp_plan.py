@@ -8,7 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iquestrt.tp.plan import BLOCK, KINDS, overheads, padded, rank_runs, shard_cols, shard_rows
+from iquestrt.tp.plan import (
+    BLOCK,
+    KINDS,
+    overheads,
+    padded,
+    paired,
+    rank_runs,
+    shard_cols,
+    shard_rows,
+)
 from reference import ops
 from reference.config import ConfigError, preset
 
@@ -51,7 +60,7 @@ def test_shards_dequantize_to_the_checkpoint_channels():
     proj, proj_s = ops.quantize_block(torch.randn(E, H, I, generator=g))
     full_fc, full_proj = ops.dequant_block(fc, fc_s), ops.dequant_block(proj, proj_s)
     for r in range(2):
-        rows = padded(rank_runs(cfg, 2, r, "expert_fc"))
+        rows = paired(rank_runs(cfg, 2, r, "expert_fc"))
         w, s = shard_rows(fc, fc_s, rows)
         got = rows.gather(ops.dequant_block(w, s).transpose(1, 2)).transpose(1, 2)
         want = torch.cat([full_fc[:, run.start : run.stop] for run in rows.runs], 1)
@@ -74,3 +83,18 @@ def test_scatter_gather_round_trip_and_errors():
         rank_runs(preset("mini"), 2, 0, "ffn")
     with pytest.raises(ValueError, match="rank 2 outside"):
         rank_runs(preset("mini"), 2, 2, "q")
+
+
+@pytest.mark.parametrize("name, tp", [("iquest-q1", 8), ("mini", 2), ("tiny", 2)])
+def test_gate_and_up_halves_share_the_down_projection_layout(name, tp):
+    """Channel j of the gate half pairs with channel j of the up half, and both with input
+    column j of the down projection: the halves' layouts equal the down plan's."""
+    cfg = preset(name)
+    for kind, down_kind in (("expert_fc", "expert"), ("dense_fc", "dense")):
+        for r in range(tp):
+            fc, down = paired(rank_runs(cfg, tp, r, kind)), padded(rank_runs(cfg, tp, r, down_kind))
+            half = fc.size // 2
+            assert half == down.size
+            assert [x.at for x in fc.runs] == [down.runs[0].at, half + down.runs[0].at]
+    with pytest.raises(ValueError, match="cannot share one layout"):
+        paired([range(0, 64), range(100, 164)])  # 100..163 crosses a block at another offset
