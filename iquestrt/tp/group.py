@@ -156,6 +156,26 @@ def rendezvous_explicit(rank: int, world: int, master_addr: str, master_port: in
     return Rendezvous(rank, world, rank, f"tcp://{master_addr}:{master_port}")
 
 
+def all_gather(group: TPGroup, x: torch.Tensor, where: str, what: str) -> torch.Tensor:
+    """[*S] on each rank → [N, *S] in rank order (one bounded collective; `where` and `what`
+    name it in the error a missing or dead peer gives)."""
+    if group.world == 1:
+        return x[None]
+    group.require_initialized(where)
+    out = torch.empty(group.world * x.shape[0], *x.shape[1:], dtype=x.dtype, device=x.device)
+    # all_gather_single replaces all_gather_into_tensor in torch >= 2.13; the H200 has 2.11
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        gather(out, x.contiguous())
+    except RuntimeError as e:
+        raise TPError(
+            f"{where}: rank {group.rank} of {group.world}: the all-gather of {what} "
+            f"{tuple(x.shape)} {x.dtype} failed or timed out (bound {group.timeout_s:g} s): a "
+            f"peer rank did not reach it or died: {e}"
+        ) from e
+    return out.view(group.world, *x.shape)
+
+
 def init_group(
     rank: int | None = None,
     world: int | None = None,

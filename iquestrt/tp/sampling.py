@@ -29,10 +29,9 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from iquestrt.ops import Live
-from iquestrt.tp.group import TPError, TPGroup
+from iquestrt.tp.group import TPGroup, all_gather
 from kernels import sampler as k_sampler
 from kernels.sampler import SampleOut
 from reference.config import ConfigError, SamplingDefaults
@@ -139,22 +138,7 @@ def _check_tensor(name, t, dims: int, dtypes, device) -> None:
 
 def gather_keys(group: TPGroup, keys: torch.Tensor) -> torch.Tensor:
     """The one collective: [R, KP] int64 per rank → [R, N, KP] (rank order; slot stride 1)."""
-    R, kp = keys.shape
-    if group.world == 1:
-        return keys[:, None]
-    group.require_initialized("tp.sampling")
-    out = torch.empty(group.world * R, kp, dtype=torch.int64, device=keys.device)  # [N·R, KP]
-    # all_gather_single replaces all_gather_into_tensor in torch >= 2.13; the H200 has 2.11
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    try:
-        gather(out, keys.contiguous())
-    except RuntimeError as e:
-        raise TPError(
-            f"tp.sampling: rank {group.rank} of {group.world}: the all-gather of candidate keys "
-            f"[R={R}, KP={kp}] failed or timed out (bound {group.timeout_s:g} s): a peer rank "
-            f"did not reach it or died: {e}"
-        ) from e
-    return out.view(group.world, R, kp).permute(1, 0, 2)
+    return all_gather(group, keys, "tp.sampling", "candidate keys").permute(1, 0, 2)
 
 
 @dataclass(frozen=True)

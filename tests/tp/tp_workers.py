@@ -118,3 +118,44 @@ def failure_worker(rank: int, ports: tuple[int, int], out_dir: str, timeout_s: f
     elif not gather_done.wait(60):
         raise RuntimeError("failure_worker: rank 0 never finished its all-gather")
     tp_group.close_group()
+
+
+def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float, model: str,
+                 tokens: list[int], broken: str) -> None:
+    """A plain prefill of `tokens` through the rank's TPTargetModel (twins, chunks of 8 rows);
+    saves this rank's view of the full logits [T, V] (all ranks' slices, gathered) and the
+    routing of every MoE layer. broken: "" or "local_o" (each rank's attention tail sums only
+    its own O partials: a reduction left out)."""
+    _setup()
+    import torch
+
+    from iquestrt.cache import RuntimeCaches
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.ops import make_ops
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.model import TPTargetModel
+    from iquestrt.tp.shard import shard_weights
+    from iquestrt.weights import from_checkpoint
+    from reference.checkpoint import load_checkpoint
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="gloo", timeout_s=timeout_s)
+    ck = load_checkpoint(model)
+    cap = len(tokens) + 8
+    w, plans = shard_weights(from_checkpoint(ck, "cpu", cap), world, rank)
+    rcfg = RuntimeConfig(ops="twins", ring_pad=8, max_positions=cap)
+    tm = TPTargetModel(w, plans, make_ops("twins", "cpu", rcfg.max_polls), 8, g)
+    if broken == "local_o":
+        tm._gather = lambda x, what: x if x.dim() == 3 else x[None]  # this rank's partials only
+    caches = RuntimeCaches.create(w.cfg, rcfg, cap, torch.device("cpu"))
+    flags = torch.zeros(w.cfg.target.num_hidden_layers, dtype=torch.int32)
+    tm.route_trace, logits = [], []
+    for c in range(0, len(tokens), 8):
+        chunk = torch.tensor(tokens[c : c + 8])
+        lg, _ = tm.forward(chunk, c, caches, flags)
+        logits.append(lg[: len(chunk)].clone())
+    mine = torch.cat(logits)  # [T, V/N]
+    full = tp_group.all_gather(g, mine, "model_worker", "logits").permute(1, 0, 2)
+    torch.save({"logits": full.reshape(len(tokens), -1), "routes": tm.route_trace,
+                "flags": flags}, os.path.join(out_dir, f"rank{rank}.pt"))
+    tp_group.close_group()
