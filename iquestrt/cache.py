@@ -38,9 +38,12 @@ class RuntimeCaches:
 
     @classmethod
     def create(
-        cls, cfg: ModelConfig, rcfg: RuntimeConfig, capacity: int, device: torch.device
+        cls, cfg: ModelConfig, rcfg: RuntimeConfig, capacity: int, device: torch.device,
+        draft_kv_heads: int | None = None,
     ) -> RuntimeCaches:
-        """capacity: positions the request can reach (full caches); rings depend on windows."""
+        """capacity: positions the request can reach (full caches); rings depend on windows.
+        draft_kv_heads: the draft ring's heads when they differ from cfg's (a tensor-parallel
+        rank: target caches hold the rank's heads, the replicated draft all of them)."""
         t = cfg.target
         layers = []
         for kind in t.layer_types:
@@ -50,8 +53,9 @@ class RuntimeCaches:
                 lay = KVLayout.make_ring(t.sliding_window, rcfg.ring_pad, t.num_key_value_heads,
                                          t.head_dim)
             layers.append(LayerKV.empty(lay, device))
-        dlay = KVLayout.make_ring(cfg.draft.sliding_window, rcfg.ring_pad, t.num_key_value_heads,
-                                  t.head_dim, start=DRAFT_START)
+        dlay = KVLayout.make_ring(cfg.draft.sliding_window, rcfg.ring_pad,
+                                  draft_kv_heads or t.num_key_value_heads, t.head_dim,
+                                  start=DRAFT_START)
         return cls(layers, LayerKV.empty(dlay, device))
 
     def settle_target(self, ops, keep: int, written: int) -> None:

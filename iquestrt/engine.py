@@ -211,15 +211,16 @@ class Engine:
         emptied for a new request: the same tensors every request, so round graphs captured on
         them serve later requests."""
         if self._caches is None:
-            dev = self.w.device
-            self._caches = RuntimeCaches.create(self.cfg, self.rcfg,
-                                                self.rcfg.positions_cap(self.cfg), dev)
+            self._caches = self._new_caches(self.rcfg.positions_cap(self.cfg))
             self._flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32,
-                                      device=dev)
+                                      device=self.w.device)
         else:
             self._caches.reset()
             self._flags.zero_()
         return self._caches, self._flags
+
+    def _new_caches(self, capacity: int) -> RuntimeCaches:
+        return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device)
 
     def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
         """Target over the prompt, then the first token and the draft's prefill

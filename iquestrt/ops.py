@@ -113,7 +113,7 @@ class DequantCache:
         return hit
 
 
-def _host_seed(seed) -> int:
+def host_seed(seed) -> int:
     """A seed given as an int, or as the int64 device tensor [1] of its bits → the uint64."""
     return int(seed.reshape(-1)[0]) % 2**64 if isinstance(seed, torch.Tensor) else seed
 
@@ -195,7 +195,7 @@ class TwinOps:
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         if isinstance(params, DeviceSampling):  # the twins run on the host: its parameters
             params = params.params
-        tok, ids, probs = sampling_twins.sample_ref(logits, params, _host_seed(seed), positions,
+        tok, ids, probs = sampling_twins.sample_ref(logits, params, host_seed(seed), positions,
                                                     purpose, n_live=live.n)
         rows = logits.shape[0]
         return SampleOut(_padded(tok, rows, self.dev, -1), _padded(ids, rows, self.dev, -1),
@@ -205,7 +205,7 @@ class TwinOps:
                n_drafts: Live) -> VerifyOut:
         first = int(first) if not isinstance(first, torch.Tensor) else int(first.reshape(-1)[0])
         a, tok, bonus, emitted = sampling_twins.verify_ref(
-            p.ids, p.probs, q_ids, q_probs, drafts, _host_seed(seed), first, n_drafts=n_drafts.n)
+            p.ids, p.probs, q_ids, q_probs, drafts, host_seed(seed), first, n_drafts=n_drafts.n)
         em = torch.full((drafts.shape[0] + 1,), -1, dtype=torch.int64, device=self.dev)
         em[: len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
         i32 = dict(dtype=torch.int32, device=self.dev)

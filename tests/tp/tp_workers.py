@@ -159,3 +159,34 @@ def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
     torch.save({"logits": full.reshape(len(tokens), -1), "routes": tm.route_trace,
                 "flags": flags}, os.path.join(out_dir, f"rank{rank}.pt"))
     tp_group.close_group()
+
+
+def generate_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+                    model: str, prompt: list[int], max_new: int, sampling: tuple, seed: int
+                    ) -> None:
+    """One request through this rank's TPEngine (twins); saves tokens and round records."""
+    _setup()
+    import torch
+
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.engine import TPEngine
+    from iquestrt.weights import from_checkpoint
+    from reference.checkpoint import load_checkpoint
+    from reference.config import SamplingDefaults
+    from reference.depth import FixedDepth
+    from reference.speculative import GenerationRequest
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="gloo", timeout_s=timeout_s)
+    ck = load_checkpoint(model)
+    cap = len(prompt) + max_new + 16
+    rcfg = RuntimeConfig(ops="twins", ring_pad=8, max_positions=cap, policy=FixedDepth(3),
+                         prefetch=False)
+    eng = TPEngine(from_checkpoint(ck, "cpu", cap), rcfg, g)
+    res = eng.generate(GenerationRequest(tuple(prompt), max_new, SamplingDefaults(*sampling),
+                                         seed))
+    rounds = [(r.position, [d.token for d in r.drafts], r.accepted, r.emitted)
+              for r in res.rounds]
+    torch.save({"tokens": res.tokens, "rounds": rounds}, os.path.join(out_dir, f"rank{rank}.pt"))
+    tp_group.close_group()

@@ -1,0 +1,69 @@
+"""The decode engine on one tensor-parallel rank: iquestrt.engine.Engine with the rank's target
+(iquestrt/tp/model.py), sharded sampling of the target's vocabulary slices, and the draft
+replicated (every rank runs the whole draft on the same inputs, so its tokens agree without a
+broadcast). Every rank runs the same request and, since sampling picks the same token on every
+rank (iquestrt/tp/sampling.py), the same rounds: tokens, acceptance and cache settlement agree.
+
+Not yet: CUDA graphs with TP (the sharded sampler takes host scalars: seed and sampling values
+as device tensors there are the next step) — refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from iquestrt.cache import RuntimeCaches
+from iquestrt.config import RuntimeConfig
+from iquestrt.draft import DraftModel
+from iquestrt.engine import Engine
+from iquestrt.ops import Live, host_seed
+from iquestrt.tp.group import TPGroup
+from iquestrt.tp.model import TPTargetModel
+from iquestrt.tp.sampling import ShardedSampler, make_sharded_sampler
+from iquestrt.tp.shard import shard_weights
+from iquestrt.weights import Weights
+from kernels.sampler_values import DeviceSampling
+
+
+class TPOps:
+    """The rank's op table: `base` for everything, except that logits of this rank's target
+    vocabulary slice ([R, V/N]) are sampled by the sharded sampler; full-vocabulary rows (the
+    replicated draft's) by the base sampler."""
+
+    def __init__(self, base, sampler: ShardedSampler):
+        self.base, self.sampler = base, sampler
+        self.local_vocab = len(sampler.shard)
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+    def sample(self, logits, params, seed, positions, purpose, live: Live):
+        if logits.shape[-1] != self.local_vocab:
+            return self.base.sample(logits, params, seed, positions, purpose, live)
+        if isinstance(params, DeviceSampling):
+            params = params.params
+        return self.sampler.sample(logits.contiguous(), params, host_seed(seed), positions,
+                                   purpose, live)
+
+
+class TPEngine(Engine):
+    def __init__(self, weights: Weights, rcfg: RuntimeConfig, group: TPGroup):
+        """weights: the full model (each rank cuts its share); group: this rank's TPGroup."""
+        if rcfg.graphs:
+            raise ValueError("TPEngine: RuntimeConfig.graphs is not supported with tensor "
+                             "parallelism yet (sharded sampling reads host scalars)")
+        if group.world < 2:
+            raise ValueError(f"TPEngine: a group of {group.world} rank; use Engine")
+        full = weights.cfg
+        rank_w, plans = shard_weights(weights, group.world, group.rank)
+        super().__init__(rank_w, rcfg)
+        self.group, self.full_cfg = group, full
+        self.ops = TPOps(self.ops, make_sharded_sampler(rcfg.ops, group,
+                                                        full.target.vocab_size))
+        self.target = TPTargetModel(rank_w, plans, self.ops, rcfg.max_width, group)
+        # the draft is whole on every rank: it reads the full model's head counts
+        self.draft = DraftModel(dataclasses.replace(rank_w, cfg=full), self.ops, rcfg.max_width)
+
+    def _new_caches(self, capacity: int) -> RuntimeCaches:
+        return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device,
+                                    draft_kv_heads=self.full_cfg.target.num_key_value_heads)
