@@ -106,6 +106,10 @@ def _build() -> argparse.ArgumentParser:
     g.add_argument("--loop", choices=("host", "device"), default="host",
                    help="runtime with --graphs: 'device' loops rounds in a WHILE graph node on "
                         "the GPU (no host round trip between rounds)")
+    g.add_argument("--tp", type=int, default=1,
+                   help="runtime: tensor-parallel ranks; start under torchrun with as many "
+                        "processes (`torchrun --nproc-per-node N -m iquestrt.cli generate --tp "
+                        "N …`); rank 0 prints")
     g.add_argument("--stream", action="store_true",
                    help="print tokens (text with a tokenizer) as they are decoded")
     g.add_argument("--quiet", action="store_true", help="no progress display")

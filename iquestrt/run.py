@@ -120,6 +120,7 @@ def _runtime(a, ckpt, req, policy):
     from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
     from iquestrt.engine import Engine
 
+    _check_tp(a)
     rcfg = RuntimeConfig(
         ops=ops,
         device="cuda" if gpu else "cpu",
@@ -129,9 +130,43 @@ def _runtime(a, ckpt, req, policy):
         graphs=a.graphs,
         loop=a.loop,
     )
-    engine = Engine.from_checkpoint(ckpt.directory, rcfg)
+    if a.tp > 1:
+        engine = _tp_engine(ckpt, rcfg)
+    else:
+        engine = Engine.from_checkpoint(ckpt.directory, rcfg)
     engine.validate(req)
     return lambda req, on_tokens: engine.generate(req, on_tokens=on_tokens)
+
+
+def _check_tp(a) -> None:
+    """--tp N needs N processes started by torchrun (before any loading)."""
+    if not isinstance(a.tp, int) or not 1 <= a.tp <= 8:
+        raise ValueError(f"--tp: must be in [1, 8], got {a.tp}")
+    if a.tp == 1:
+        return
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise ValueError(f"--tp {a.tp}: start the command under torchrun with {a.tp} processes: "
+                         f"torchrun --nproc-per-node {a.tp} -m iquestrt.cli generate --tp {a.tp} …")
+    if world != str(a.tp):
+        raise ValueError(f"--tp {a.tp}: torchrun started {world} processes (WORLD_SIZE)")
+    if a.graphs:
+        raise ValueError("--tp with --graphs: CUDA graphs with tensor parallelism are not "
+                         "supported yet")
+
+
+def _tp_engine(ckpt, rcfg):
+    from iquestrt.tp.engine import TPEngine
+    from iquestrt.tp.group import init_group
+    from iquestrt.weights import load_weights
+
+    group = init_group()  # the torchrun environment; multicast switched off first
+    return TPEngine(load_weights(ckpt.directory, rcfg.device, rcfg.max_positions), rcfg, group)
+
+
+def tp_rank(a) -> int:
+    """This process's rank under `--tp N` (0 otherwise): only rank 0 prints."""
+    return int(os.environ.get("RANK", "0")) if getattr(a, "tp", 1) > 1 else 0
 
 
 class _Stream:
@@ -167,7 +202,10 @@ def generate_from_args(a) -> int:
         raise ValueError(f"--draft-depth: must be in [0, {cfg.draft.num_draft_slots}] or "
                          f"'adaptive', got {a.draft_depth}")
     err = Console(stderr=True)
-    stream = _Stream(tokenizer, a.stream)
+    quiet = tp_rank(a) != 0  # other ranks decode the same tokens silently
+    stream = _Stream(tokenizer, a.stream and not quiet)
+    if getattr(a, "tp", 1) > 1 and getattr(a, "backend", "reference") != "runtime":
+        raise ValueError("--tp: applies to --backend runtime only")
     if getattr(a, "backend", "reference") == "runtime":
         runtime = _runtime(a, ckpt, req, policy)
 
@@ -180,13 +218,19 @@ def generate_from_args(a) -> int:
             return ReferenceGenerator(model, policy).generate(req, on_tokens=sink)
 
     t0 = time.perf_counter()
-    with _Ticker(err, req.max_new_tokens, a.quiet or a.stream) as ticker:
+    with _Ticker(err, req.max_new_tokens, a.quiet or a.stream or quiet) as ticker:
         def sink(new):
             ticker.advance(len(new))
             stream(new)
 
         res = run(req, sink)
     seconds = time.perf_counter() - t0
+    if getattr(a, "tp", 1) > 1:
+        from iquestrt.tp.group import close_group
+
+        close_group()
+    if quiet:
+        return 0
     if a.stream:
         print()
     else:

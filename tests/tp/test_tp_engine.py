@@ -1,14 +1,16 @@
 """Whole requests on 2 gloo ranks (iquestrt/tp/engine.py, twins, the trained mini model): every
 rank emits the same tokens and round records (sharded sampling gives each rank the same token, no
-broadcast); greedy decoding equals the single-rank engine token for token; with sampling the
-tokens may part where the target's slightly different logits reorder two near-equal served
-probabilities (the draw order is by probability), so only the ranks' agreement is exact there."""
+broadcast); greedy decoding equals the single-rank engine token for token, or parts only at a
+near-tie (tests/tp/flip_check.py); with sampling the tokens may part where the target's slightly
+different logits reorder two near-equal served probabilities (the draw order is by probability),
+so only the ranks' agreement is exact there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import tp_workers
+from flip_check import check_greedy
 from tp_harness import free_port, spawn
 
 from iquestrt.config import RuntimeConfig
@@ -55,7 +57,9 @@ def test_ranks_agree_and_greedy_equals_one_rank(prompt, sampling, tmp_path):
     assert r[0]["tokens"] == r[1]["tokens"] and r[0]["rounds"] == r[1]["rounds"]
     assert len(r[0]["tokens"]) == NEW and len(r[0]["rounds"]) >= 10
     if sampling == GREEDY:
-        assert r[0]["tokens"] == single(prompt, sampling).tokens
+        line = check_greedy(load_checkpoint(mini_engine.MINI), prompt, r[0]["tokens"],
+                            single(prompt, sampling).tokens)
+        print(f"\n  {line or 'greedy TP2 == TP1 for every token'}")
 
 
 def test_tp_engine_refuses_what_it_cannot_do():

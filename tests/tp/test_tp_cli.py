@@ -1,0 +1,47 @@
+"""`iquestrt generate --tp 2` under torchrun (two CPU processes, gloo, twins): rank 0 prints
+the tokens, rank 1 nothing; greedy tokens equal the one-process command's or part at a near-tie;
+without torchrun the command names how to start it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from flip_check import check_greedy
+from tp_harness import free_port
+
+from iquestrt import cli
+from iquestrt.files import checkpoint_tokenizer
+from qualification import mini_engine
+from reference.checkpoint import load_checkpoint
+
+ARGS = ["generate", "--backend", "runtime", "--ops", "twins", "--prompt", "def parse_args(",
+        "--max-new-tokens", "16", "--temperature", "0", "--quiet"]
+
+
+def tokens_of(stdout: str) -> list[int]:
+    return [int(t) for t in stdout.strip().splitlines()[0].split()]
+
+
+def test_generate_tp2_under_torchrun(capsys):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+           "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m",
+           "iquestrt.cli", *ARGS, "--tp", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    tp = tokens_of(res.stdout)
+    line = res.stdout.strip().splitlines()[0]
+    assert res.stdout.count(line) == 1, "only rank 0 prints"
+    assert cli.main(ARGS) == 0
+    one = tokens_of(capsys.readouterr().out)
+    ck = load_checkpoint(mini_engine.MINI)
+    prompt = checkpoint_tokenizer(ck.directory).encode("def parse_args(").ids
+    print("\n  " + (check_greedy(ck, prompt, tp, one) or "TP2 == one process"))
+
+
+def test_tp_without_torchrun_says_how(monkeypatch, capsys):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.main([*ARGS, "--tp", "2"]) == cli.EXIT_USAGE
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
