@@ -38,10 +38,10 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def run(directory, toks: torch.Tensor, tmp, broken: str = "") -> list[dict]:
+def run(directory, toks: torch.Tensor, tmp, broken: str = "", ops: str = "twins") -> list[dict]:
     T = toks.shape[0] - APPENDS
     spawn(tp_workers.model_worker, WORLD, (WORLD, free_port(), str(tmp), RANK_TIMEOUT_S,
-                                          str(directory), toks[:T].tolist(), broken),
+                                          str(directory), toks[:T].tolist(), broken, ops),
           SPAWN_TIMEOUT_S)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
@@ -88,3 +88,14 @@ def test_a_missing_reduction_fails_the_band(tiny_dir, tmp_path):
     res = run(tiny_dir, toks, tmp_path, broken="local_o")
     ok, lines = judge(ck, toks, res[0])
     assert not ok, lines
+
+
+def test_kernels_under_the_interpreter_compose_with_tp(tiny_dir, tmp_path):
+    """The production kernels (interpreted) on both ranks: the partial buffers, tails with the
+    gathered partials and the sharded kernel sampler's inputs work as on a GPU."""
+    ck = load_checkpoint(tiny_dir)
+    toks = prompt("tiny", ck)[: 24 + APPENDS]
+    res = run(tiny_dir, toks, tmp_path, ops="kernels")
+    assert torch.equal(res[0]["logits"], res[1]["logits"])
+    ok, lines = judge(ck, toks, res[0])
+    assert ok, lines

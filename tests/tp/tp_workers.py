@@ -121,7 +121,7 @@ def failure_worker(rank: int, ports: tuple[int, int], out_dir: str, timeout_s: f
 
 
 def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float, model: str,
-                 tokens: list[int], broken: str) -> None:
+                 tokens: list[int], broken: str, ops: str = "twins") -> None:
     """A plain prefill of `tokens` through the rank's TPTargetModel (twins, chunks of 8 rows);
     saves this rank's view of the full logits [T, V] (all ranks' slices, gathered) and the
     routing of every MoE layer. broken: "" or "local_o" (each rank's attention tail sums only
@@ -143,8 +143,8 @@ def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
     ck = load_checkpoint(model)
     cap = len(tokens) + 8
     w, plans = shard_weights(from_checkpoint(ck, "cpu", cap), world, rank)
-    rcfg = RuntimeConfig(ops="twins", ring_pad=8, max_positions=cap)
-    tm = TPTargetModel(w, plans, make_ops("twins", "cpu", rcfg.max_polls), 8, g)
+    rcfg = RuntimeConfig(ops=ops, ring_pad=8, max_positions=cap)
+    tm = TPTargetModel(w, plans, make_ops(ops, "cpu", rcfg.max_polls), 8, g)
     if broken == "local_o":
         tm._gather = lambda x, what: x if x.dim() == 3 else x[None]  # this rank's partials only
     caches = RuntimeCaches.create(w.cfg, rcfg, cap, torch.device("cpu"))
