@@ -4,8 +4,9 @@ replicated (every rank runs the whole draft on the same inputs, so its tokens ag
 broadcast). Every rank runs the same request and, since sampling picks the same token on every
 rank (iquestrt/tp/sampling.py), the same rounds: tokens, acceptance and cache settlement agree.
 
-Not yet: CUDA graphs with TP (the sharded sampler takes host scalars: seed and sampling values
-as device tensors there are the next step) — refused with a clear error.
+Not yet: CUDA graphs with TP (the sharded sampler reads the seed and sampling values from the
+device already; the collectives inside a captured round are untried) — refused with a clear
+error.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
 from iquestrt.draft import DraftModel
 from iquestrt.engine import Engine
-from iquestrt.ops import Live, host_seed
+from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.model import TPTargetModel
 from iquestrt.tp.sampling import ShardedSampler, make_sharded_sampler
 from iquestrt.tp.shard import shard_weights
 from iquestrt.weights import Weights
-from kernels.sampler_values import DeviceSampling
 
 
 class TPOps:
@@ -40,10 +40,7 @@ class TPOps:
     def sample(self, logits, params, seed, positions, purpose, live: Live):
         if logits.shape[-1] != self.local_vocab:
             return self.base.sample(logits, params, seed, positions, purpose, live)
-        if isinstance(params, DeviceSampling):
-            params = params.params
-        return self.sampler.sample(logits.contiguous(), params, host_seed(seed), positions,
-                                   purpose, live)
+        return self.sampler.sample(logits.contiguous(), params, seed, positions, purpose, live)
 
 
 class TPEngine(Engine):
@@ -51,7 +48,7 @@ class TPEngine(Engine):
         """weights: the full model (each rank cuts its share); group: this rank's TPGroup."""
         if rcfg.graphs:
             raise ValueError("TPEngine: RuntimeConfig.graphs is not supported with tensor "
-                             "parallelism yet (sharded sampling reads host scalars)")
+                             "parallelism yet (collectives inside a captured round are untried)")
         if group.world < 2:
             raise ValueError(f"TPEngine: a group of {group.world} rank; use Engine")
         full = weights.cfg

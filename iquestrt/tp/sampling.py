@@ -30,10 +30,11 @@ from dataclasses import dataclass
 
 import torch
 
-from iquestrt.ops import Live
+from iquestrt.ops import Live, host_seed
 from iquestrt.tp.group import TPGroup, all_gather
 from kernels import sampler as k_sampler
 from kernels.sampler import SampleOut
+from kernels.sampler_values import DeviceSampling
 from reference.config import ConfigError, SamplingDefaults
 from reference.rng import MASK32, Purpose
 from reference.sampling import SamplingError, order_desc
@@ -43,9 +44,10 @@ EMPTY = -(2**63) + 1  # kernels.sampler.EMPTY: below every real key
 ID_BITS = 2**31 - 1
 
 
-def key_width(params: SamplingDefaults) -> tuple[int, int]:
+def key_width(params: SamplingDefaults | DeviceSampling) -> tuple[int, int]:
     """(K, KP): candidates kept per rank and the padded slot count of a key row."""
-    k = 1 if params.temperature == 0.0 else params.top_k
+    greedy = params.greedy if isinstance(params, DeviceSampling) else params.temperature == 0.0
+    k = 1 if greedy else params.top_k
     return k, max(2, 1 << (k - 1).bit_length())
 
 
@@ -85,6 +87,7 @@ class TwinShardSteps:
     name = "twins"
 
     def local_keys(self, logits, params, vocab_offset: int, vocab: int, live: Live):
+        params = _host_params(params)
         R, Vs = logits.shape
         n = live.n
         k, kp = key_width(params)
@@ -104,6 +107,7 @@ class TwinShardSteps:
 
     def from_keys(self, keys, params, seed, positions, purpose, index: int, vocab: int,
                   live: Live) -> SampleOut:
+        params, seed = _host_params(params), host_seed(seed)
         R = keys.shape[0]
         n = live.n
         kk = keys[:n].cpu().reshape(n, -1)  # [n, N·KP]
@@ -122,6 +126,12 @@ class TwinShardSteps:
 
 
 STEPS = {"kernels": KernelShardSteps, "twins": TwinShardSteps}
+
+
+def _host_params(params) -> SamplingDefaults:
+    """The twins sample on the host: a DeviceSampling's request parameters (kernel steps read
+    its device values instead)."""
+    return params.params if isinstance(params, DeviceSampling) else params
 
 
 def _fail(msg: str):
@@ -172,8 +182,12 @@ class ShardedSampler:
         if live.t.numel() != 1 or (live.known is not None and not 1 <= live.known <= R):
             _fail(f"live rows must be one count in [1, R={R}], got {live.known} "
                   f"(live.t shape {tuple(live.t.shape)})")
+        if isinstance(params, DeviceSampling):
+            _check_tensor("params.values", params.values, 1, (torch.float32,), dev)
+            params = params.params  # validated when written; checked again here, host only
         if not isinstance(params, SamplingDefaults):
-            _fail(f"params must be a SamplingDefaults, got {type(params).__name__}")
+            _fail(f"params must be a SamplingDefaults or a DeviceSampling, got "
+                  f"{type(params).__name__}")
         try:
             params.validate(self.vocab, where="params")
         except ConfigError as e:

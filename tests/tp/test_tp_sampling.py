@@ -34,6 +34,7 @@ from iquestrt.tp.sampling import (
     order_keys,
 )
 from kernels import sampler as k_sampler
+from kernels.sampler_values import DeviceSampling
 from reference.config import SamplingDefaults
 from reference.rng import Purpose
 from reference.sampling_twins import sample_ref
@@ -121,12 +122,19 @@ def _group(rank=0, world=1):
     return TPGroup(rank, world, "gloo", CPU, 5.0)
 
 
+@pytest.mark.parametrize("device_values", [False, True], ids=["host", "device_values"])
 @pytest.mark.parametrize("ops", ["kernels", "twins"])
-def test_world_one_equals_single_process(ops):
+def test_world_one_equals_single_process(ops, device_values):
+    """Also with the sampling values and the seed on the device (DeviceSampling, int64 bits):
+    the engine's rounds pass them so."""
     case = cases(1)[1]
     x, (seed, pos) = logits(case, 1), sampling_args(case)
+    params, s = case.params, seed
+    if device_values:
+        params = DeviceSampling.create(case.params, case.vocab, CPU)
+        s = torch.tensor([seed - 2**64 if seed >= 2**63 else seed], dtype=torch.int64)
     got = make_sharded_sampler(ops, _group(), case.vocab).sample(
-        x, case.params, seed, pos, Purpose.TARGET_SAMPLE, Live.of(case.live, "cpu"))
+        x, params, s, pos, Purpose.TARGET_SAMPLE, Live.of(case.live, "cpu"))
     if ops == "kernels":
         want = k_sampler.sample(x, case.params, seed, pos, Purpose.TARGET_SAMPLE)
     else:
