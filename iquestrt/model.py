@@ -39,9 +39,14 @@ def padded_tokens(tokens: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
-def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table):
-    """xn [R, H] bf16 → attention output [R, Hq·D] bf16 (K/V of the live rows written first)."""
+def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table,
+                    qkv_view=None):
+    """xn [R, H] bf16 → attention output [R, Hq·D] bf16 (K/V of the live rows written first).
+    qkv_view: maps the QKV partials to [S, R, (Hq + 2·Hkv)·D] (a tensor-parallel rank's padded
+    block layout, iquestrt/tp/plan.py); None: they are laid out so already."""
     parts = ops.linear_fp8_partials(xn, aw.qkv, live)  # [S, R, (Hq + 2·Hkv)·D]
+    if qkv_view is not None:
+        parts = qkv_view(parts).contiguous()
     q, k, v = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
                           num_q_heads=cfg_t.num_attention_heads,
                           num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps)
@@ -90,8 +95,7 @@ class TargetModel:
                 self.layer_trace.append((i, xn[: live.known].float().cpu()))
             if self.prefetcher is not None:
                 self.prefetcher.maybe_prefetch(i, xn, live)
-            o = attention_block(ops, t, aw, xn, pos, live, caches.target[i], layer.rope)
-            o_parts = ops.linear_fp8_partials(o, aw.o, live)  # [S, R, H]
+            o_parts = self._o_partials(layer, xn, pos, live, caches.target[i])  # [S, R, H]
             next_norm = w.norm if i == last else w.layers[i + 1].attn.attention_norm
             if layer.dense is not None:  # layer 0: raw residual x, scale 1.0
                 tail = ops.attn_tail(o_parts, x, aw.attn_out_norm, aw.ffn_norm, live,
@@ -104,9 +108,25 @@ class TargetModel:
             if self.route_trace is not None:  # host-known rows only, like layer_trace
                 self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
             f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
-            xn = ops.moe_tail(f[None], tail.h, next_norm, live, flags[i : i + 1], eps=eps,
-                              ffn_out_scale=t.ffn_out_scale).xn
-        return lm_head(ops, w.lm_head, xn, live), xn
+            xn = ops.moe_tail(self._moe_partials(i, f), tail.h, next_norm, live,
+                              flags[i : i + 1], eps=eps, ffn_out_scale=t.ffn_out_scale).xn
+        return self._logits(xn, live), xn
+
+    # --- what a tensor-parallel rank replaces (iquestrt/tp/model.py) ---------------------------
+    def _o_partials(self, layer, xn, pos, live: Live, cache) -> torch.Tensor:
+        """Attention of xn [R, H] → the O projection's partials [S, R, H] the tail sums."""
+        o = attention_block(self.ops, self.t, layer.attn, xn, pos, live, cache, layer.rope)
+        return self.ops.linear_fp8_partials(o, layer.attn.o, live)
+
+    def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:
+        return f[None]  # [1, R, H]: one device's expert output
+
+    def _down(self, act, down: Fp8Linear, live: Live) -> torch.Tensor:
+        """Layer 0's down projection → [R, H] bf16."""
+        return self.ops.linear_fp8(act, down, live, torch.bfloat16)
+
+    def _logits(self, xn, live: Live) -> torch.Tensor:
+        return lm_head(self.ops, self.w.lm_head, xn, live)  # [R, V]
 
     def _dense(self, dw: DenseWeights, h, f_in, live: Live, next_norm):
         """Layer 0's SwiGLU + ffn_out_norm + raw residual → (x, next layer's xn) [R, H] bf16
@@ -116,6 +136,6 @@ class TargetModel:
         g = ops.linear_fp8(f_in, dw.gate, live, torch.bfloat16)  # [R, F]
         u = ops.linear_fp8(f_in, dw.up, live, torch.bfloat16)
         act = ops.silu_mul_rows(g, u, live)
-        f = ops.linear_fp8(act, dw.down, live, torch.bfloat16)  # [R, H]
+        f = self._down(act, dw.down, live)  # [R, H]
         return ops.norm_rows(h, next_norm, live, eps, b=f, wb=dw.ffn_out_norm,
                              sum_dtype=torch.bfloat16, store_sum=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from iquestrt.model import TargetModel, lm_head
+from iquestrt.model import TargetModel, attention_block
 from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup, all_gather
 from iquestrt.tp.shard import RankPlans
@@ -48,58 +48,28 @@ class TPTargetModel(TargetModel):
         x = x if x.dim() == 3 else x[None]
         return all_gather(self.group, x, WHERE, what).reshape(-1, *x.shape[1:])
 
-    def _attention(self, aw, xn, pos, live: Live, cache, table) -> torch.Tensor:
-        """xn [R, H] → this rank's O partials [S, R, H]."""
+    def _o_partials(self, layer, xn, pos, live: Live, cache) -> torch.Tensor:
+        """xn [R, H] → every rank's O partials [N·S, R, H] (this rank's heads)."""
         ops, t, pl = self.ops, self.t, self.plans
-        parts = ops.linear_fp8_partials(xn, aw.qkv, live)  # [S, R, Pqkv]
-        parts = pl.qkv.gather(parts).contiguous()  # [S, R, (q + 2·kv)·D]
-        q, k, v = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
-                              num_q_heads=t.num_attention_heads,
-                              num_kv_heads=t.num_key_value_heads, eps=t.rms_norm_eps)
-        ops.write_kv(cache, k, v, pos, live)
-        o = ops.attention(q, cache, pos, live, aw.sink_k, t.head_dim**-0.5)  # [R, q, D]
-        o = pl.o_in.scatter(o.reshape(o.shape[0], t.q_size))  # [R, Po]
-        return ops.linear_fp8_partials(o, aw.o, live)  # [S, R, H]
+        o = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
+                            qkv_view=pl.qkv.gather)  # [R, q·D] this rank's heads
+        o = pl.o_in.scatter(o)  # [R, Po]
+        mine = ops.linear_fp8_partials(o, layer.attn.o, live)  # [S, R, H]
+        return self._gather(mine, f"layer {layer.index} O partials")
 
-    def forward_rows(self, tokens: torch.Tensor, pos: torch.Tensor, live: Live, caches,
-                     flags: torch.Tensor):
-        """As TargetModel.forward_rows → (this rank's logits [R, V/N] FP32, xn [R, H])."""
-        w, ops, t = self.w, self.ops, self.t
-        eps = t.rms_norm_eps
-        x = w.embed[tokens]  # [R, H] bf16
-        _, xn = ops.norm_rows(x, w.layers[0].attn.attention_norm, live, eps)
-        last = len(w.layers) - 1
-        for layer in w.layers:
-            i, aw = layer.index, layer.attn
-            o_parts = self._gather(self._attention(aw, xn, pos, live, caches.target[i],
-                                                   layer.rope), f"layer {i} O partials")
-            next_norm = w.norm if i == last else w.layers[i + 1].attn.attention_norm
-            if layer.dense is not None:
-                tail = ops.attn_tail(o_parts, x, aw.attn_out_norm, aw.ffn_norm, live,
-                                     flags[i : i + 1], eps=eps, attn_out_scale=1.0)
-                x, xn = self._dense_tp(layer.dense, tail.h, tail.f_in, live, next_norm)
-                continue
-            tail = ops.attn_tail(o_parts, xn, aw.attn_out_norm, aw.ffn_norm, live,
-                                 flags[i : i + 1], eps=eps, attn_out_scale=t.attn_out_scale,
-                                 router_w=layer.moe.router, top_k=layer.moe.top_k)
-            if self.route_trace is not None:
-                self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
-            f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
-            f_parts = self._gather(f, f"layer {i} MoE partials")  # [N, R, H]
-            xn = ops.moe_tail(f_parts, tail.h, next_norm, live, flags[i : i + 1], eps=eps,
-                              ffn_out_scale=t.ffn_out_scale).xn
-        logits = lm_head(ops, w.lm_head, xn, live)  # [R, Pv]
-        return self.plans.vocab.gather(logits).contiguous(), xn
+    def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:
+        return self._gather(f, f"layer {i} MoE partials")  # [N, R, H]
 
-    def _dense_tp(self, dw, h, f_in, live: Live, next_norm):
-        ops, eps = self.ops, self.t.rms_norm_eps
-        g = ops.linear_fp8(f_in, dw.gate, live, torch.bfloat16)  # [R, Pf]
-        u = ops.linear_fp8(f_in, dw.up, live, torch.bfloat16)
-        act = ops.silu_mul_rows(g, u, live)
-        f = ops.linear_fp8(act, dw.down, live, torch.float32)  # [R, H] this rank's channels
+    def _down(self, act, down, live: Live) -> torch.Tensor:
+        """This rank's channels in FP32, every rank's summed in rank order, then BF16 (as the
+        one-rank down projection rounds its output)."""
+        f = self.ops.linear_fp8(act, down, live, torch.float32)  # [R, H]
         parts = all_gather(self.group, f, WHERE, "layer 0 dense partials")  # [N, R, H]
         total = parts[0]
         for p in parts[1:]:
-            total = total + p  # rank order, FP32
-        return ops.norm_rows(h, next_norm, live, eps, b=total.to(torch.bfloat16),
-                             wb=dw.ffn_out_norm, sum_dtype=torch.bfloat16, store_sum=True)
+            total = total + p
+        return total.to(torch.bfloat16)
+
+    def _logits(self, xn, live: Live) -> torch.Tensor:
+        """This rank's vocabulary slice [R, V/N] (plan.vocab's runs of the padded rows)."""
+        return self.plans.vocab.gather(super()._logits(xn, live)).contiguous()
