@@ -32,3 +32,31 @@ def fusion_off_on(script: str) -> tuple[dict, dict]:
         pytest.skip("Triton without its NVIDIA backend")
     got = compile_sm90(script)
     return got["False"], got["True"]
+
+
+_FUSION_SCRIPT = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import {module}
+
+fn = {module}.{kernel}
+sig, const, patterns = {sig!r}, {const!r}, {patterns!r}
+res = {{}}
+for fusion in (False, True):
+    full = {{a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}}
+    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps={warps}, enable_fp_fusion=fusion))
+    ptx = k.asm["ptx"]
+    res[str(fusion)] = {{t: len(re.findall(t, ptx)) for t in patterns}}
+print(json.dumps(res))
+"""
+
+
+def fusion_counts(module: str, kernel: str, sig: dict, const: dict, patterns: tuple[str, ...],
+                  warps: int = 4) -> tuple[dict, dict]:
+    """kernels.<module>.<kernel> compiled for sm_90 with enable_fp_fusion off and on (arguments
+    not in sig are i32, those in const constexpr) → (off, on): counts of each PTX regex."""
+    return fusion_off_on(_FUSION_SCRIPT.format(module=module, kernel=kernel, sig=sig,
+                                               const=const, patterns=patterns, warps=warps))

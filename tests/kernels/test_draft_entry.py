@@ -32,7 +32,7 @@ from qualification.tolerances import check, measure, tolerance
 from reference import ops as ref_ops
 from reference.checkpoint import load_checkpoint
 from reference.depth import FixedDepth
-from tests.kernels.sm90 import fusion_off_on
+from tests.kernels.sm90 import fusion_counts
 from tests.test_engine_setup import make_ckpt
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -320,35 +320,20 @@ def test_forward_entry_equals_forward_rows_on_gathered_operands(ckpt, ops):
     assert _same_cache(*caches)
 
 
-SM90_COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import draft_entry
-
-fn = draft_entry._draft_entry_kernel
-sig = dict(tok_ptr="*i64", tok_base_ptr="*i32", hid_ptr="*bf16", hid_base_ptr="*i64",
-           pos_base_ptr="*i32", n_live_ptr="*i32", embed_ptr="*bf16", enorm_ptr="*bf16",
-           hnorm_ptr="*bf16", eh_ptr="*bf16", pos_ptr="*i32", eps="fp32")
-const = dict(HIDDEN=3072, BLOCK_H=4096, TOK_PTR=True, HID_PTR=True, POS_PTR=True)
-res = {}
-for fusion in (False, True):
-    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, enable_fp_fusion=fusion))
-    ptx = k.asm["ptx"]
-    res[str(fusion)] = {t: len(re.findall(t, ptx)) for t in (
-        r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt",
-        r"ld\.global")}
-print(json.dumps(res))
-"""
+SM90_ENTRY = dict(
+    module="draft_entry", kernel="_draft_entry_kernel",
+    sig=dict(tok_ptr="*i64", tok_base_ptr="*i32", hid_ptr="*bf16", hid_base_ptr="*i64",
+             pos_base_ptr="*i32", n_live_ptr="*i32", embed_ptr="*bf16", enorm_ptr="*bf16",
+             hnorm_ptr="*bf16", eh_ptr="*bf16", pos_ptr="*i32", eps="fp32"),
+    const=dict(HIDDEN=3072, BLOCK_H=4096, TOK_PTR=True, HID_PTR=True, POS_PTR=True),
+    patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt",
+              r"ld\.global"))
 
 
 def test_entry_compiles_for_sm90_with_ieee_norms():
     """As launched (enable_fp_fusion=False): IEEE div.rn / sqrt.rn in both norms, no approximate
     sqrt, no FMA; the same kernel with fusion on contracts (so the FMA count can fail)."""
-    off, on = fusion_off_on(SM90_COMPILE)
+    off, on = fusion_counts(**SM90_ENTRY)
     got = {"False": off, "True": on}
     assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
     assert off["div\\.rn\\.f32"] >= 4 and off["sqrt\\.rn\\.f32"] >= 2, got

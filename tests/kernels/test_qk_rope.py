@@ -22,7 +22,7 @@ from kernels.qk_rope import RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.dense_twins import head_rms_norm_ref, qk_rope_ref
-from tests.kernels.sm90 import compile_sm90
+from tests.kernels.sm90 import fusion_counts
 
 EPS = 1e-6
 POISON = 0x7FE5  # a bf16 quiet NaN with a payload no arithmetic produces
@@ -317,41 +317,22 @@ def test_rows_are_in_the_table():
     assert not tolerance("kernels.qk_rope.vs_reference", "bf16").exact
 
 
-SM90_COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import qk_rope
-
-fn = qk_rope._qk_rope_kernel
-sig = dict(qkv_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", pos_ptr="*i32", tab_ptr="*fp32",
-           n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", eps="fp32")
-const = dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128)
-res = {}
-for fusion in (False, True):
-    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=1, enable_fp_fusion=fusion))
-    ptx = k.asm["ptx"]
-    res[str(fusion)] = {t: len(re.findall(t, ptx)) for t in (
-        r"fma\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
-        r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64")}
-print(json.dumps(res))
-"""
+SM90_QK_ROPE = dict(
+    module="qk_rope", kernel="_qk_rope_kernel",
+    sig=dict(qkv_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", pos_ptr="*i32", tab_ptr="*fp32",
+             n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", eps="fp32"),
+    const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128),
+    patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
+              r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64"),
+    warps=1)
 
 
 def test_qk_rope_compiles_for_sm90_without_fma():
     """Without a GPU: compiled for sm_90 as the wrapper launches it (enable_fp_fusion=False), the
     kernel has no FMA, IEEE div.rn / sqrt.rn, and an FP64 sum; with fusion on, FMAs appear
     (so the first check can fail)."""
-    try:
-        import triton.backends.nvidia  # noqa: F401
-    except ImportError:
-        pytest.skip("Triton without its NVIDIA backend")
-    got = compile_sm90(SM90_COMPILE)
-    print(f"\n  sm_90: {got}")
-    off, on = got["False"], got["True"]
+    off, on = fusion_counts(**SM90_QK_ROPE)
+    print(f"\n  sm_90: {off} / fusion on: {on}")
     assert off["fma\\.rn\\.f32"] == 0, "FMA contraction in the launched variant"
     assert on["fma\\.rn\\.f32"] > 0, "control: fusion on must contract (else the check is vacuous)"
     assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 1

@@ -12,7 +12,7 @@ from iquestrt.ops import Live, TwinOps
 from kernels.rows import norm_rows, route_rows, silu_mul_rows
 from qualification.tolerances import check, measure, tolerance
 from reference import ops as ref_ops
-from tests.kernels.sm90 import fusion_off_on
+from tests.kernels.sm90 import fusion_counts
 
 EPS = 1e-6
 R = 8
@@ -119,34 +119,19 @@ def test_broken_variants_exceed_their_rows():
         check(ids.flip(1), ids, "kernels.rows.route", "int32")
 
 
-SM90_COMPILE = r"""
-import json, re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import rows
-
-fn = rows._norm_rows_kernel
-sig = dict(a_ptr="*fp32", b_ptr="*bf16", wb_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32",
-           y_ptr="*bf16", n_live_ptr="*i32", eps="fp32")
-const = dict(HIDDEN=3072, BLOCK_H=4096, HAS_B=True, SUM_BF16=False, STORE_S=True, HAS_W=True,
-             Y_BF16=True, B_BF16=True)
-res = {}
-for fusion in (False, True):
-    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
-    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, enable_fp_fusion=fusion))
-    ptx = k.asm["ptx"]
-    res[str(fusion)] = {t: len(re.findall(t, ptx)) for t in (
-        r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt")}
-print(json.dumps(res))
-"""
+SM90_NORM_ROWS = dict(
+    module="rows", kernel="_norm_rows_kernel",
+    sig=dict(a_ptr="*fp32", b_ptr="*bf16", wb_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32",
+             y_ptr="*bf16", n_live_ptr="*i32", eps="fp32"),
+    const=dict(HIDDEN=3072, BLOCK_H=4096, HAS_B=True, SUM_BF16=False, STORE_S=True, HAS_W=True,
+               Y_BF16=True, B_BF16=True),
+    patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt"))
 
 
 def test_norm_rows_compiles_for_sm90_without_fma():
     """As launched (enable_fp_fusion=False): no FMA contracts the residual add into the norm,
     IEEE div.rn / sqrt.rn; with fusion on, FMAs appear (so the check can fail)."""
-    off, on = fusion_off_on(SM90_COMPILE)
+    off, on = fusion_counts(**SM90_NORM_ROWS)
     got = {"False": off, "True": on}
     assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
     assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 2, got
