@@ -66,15 +66,16 @@ def reference_routes(model: ReferenceModel, tokens: torch.Tensor) -> dict[int, t
             parts.items()}
 
 
-def runtime_routes(engine, tokens: list[int]) -> dict[int, torch.Tensor]:
-    """{layer: ids [T, K]} the runtime's router chose in a plain prefill (chunks of its width)."""
+def runtime_routes(engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """A plain prefill (chunks of the engine's width) → ({layer: ids [T, K] its router chose},
+    its logits [T, V] FP32 on the CPU)."""
     engine.target.route_trace = []
     try:
-        engine.prefill_logits(tokens)
+        logits = engine.prefill_logits(tokens)[0].cpu()
         parts = _by_layer(engine.target.route_trace)
     finally:
         engine.target.route_trace = None
-    return {i: torch.cat([a for (a,) in v]) for i, v in parts.items()}
+    return {i: torch.cat([a for (a,) in v]) for i, v in parts.items()}, logits
 
 
 def find(cand: dict[int, torch.Tensor], matched: dict[int, tuple], fp32: dict[int, tuple],

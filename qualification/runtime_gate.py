@@ -208,7 +208,17 @@ def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
     band_cfg = stability.StabilityConfig(prompts=1, length=g.length, appends=(1, APPENDS))
     for i, full in enumerate(s.prompts[: g.prompts]):
         toks = full[: g.length]
-        got = candidate(toks)  # [T, V]
+        flips = None
+        if row is None:  # kernels: one prefill gives the logits and the routing they came from
+            routes, got = routing_flips.runtime_routes(s.engine, toks.tolist())  # [T, V]
+
+            def flips(t, routes=routes):
+                return routing_flips.find(
+                    routes, routing_flips.reference_routes(refs["matched"], t),
+                    routing_flips.reference_routes(refs["fp32"], t), s.router_weights(),
+                    band_cfg.multiple, FLIP_FLOOR)
+        else:
+            got = candidate(toks)  # [T, V]
         want = refs["matched"].target(toks, torch.arange(g.length), None).logits
         if row is not None:
             exact = torch.equal(got, want)
@@ -227,32 +237,12 @@ def run(g: RuntimeGateConfig | None = None, ops: str | None = None):
             f"{agree:.0%} of positions; max KL(served) {float(kl.max()):.2e} at position "
             f"{int(kl.argmax())}"
         )
-        cand, band, allowed = stability.per_position(refs["fp32"], refs["matched"], got,
-                                                     band_cfg, full)
-        excused: set[int] = set()
-        if row is None:  # kernels: a position outside the band needs a legal routing flip
-            flips = routing_flips.find(
-                routing_flips.runtime_routes(s.engine, toks.tolist()),
-                routing_flips.reference_routes(refs["matched"], toks),
-                routing_flips.reference_routes(refs["fp32"], toks), s.router_weights(),
-                band_cfg.multiple, FLIP_FLOOR)
-            f_ok, lines = routing_flips.judge(cand, allowed, flips)
-            ok &= f_ok
-            excused = {f.position for f in flips if f.legal}
-            evidence += [f"prompt {i}: " + e for e in lines]
-        else:
-            ok &= bool((cand <= allowed).all())
-        used = torch.tensor([0.0 if p in excused else float(c / a)
-                             for p, (c, a) in enumerate(zip(cand, allowed, strict=True))])
-        p = int(used.argmax())
-        band_worst = max(band_worst, float(used[p]))
-        outside = [q for q in (cand > allowed).nonzero().flatten().tolist() if q not in excused]
-        evidence.append(
-            f"prompt {i} vs FP32 within the stability band (m = {band_cfg.multiple}, floor "
-            f"{band_cfg.floor}): worst position {p}: candidate {float(cand[p]):.2e} vs allowed "
-            f"{float(allowed[p]):.2e} (band {float(band[p]):.2e}); median band "
-            f"{float(band.median()):.2e}" + (f"; outside: positions {outside}" if outside else "")
-            + (f"; {len(excused)} flipped positions excused" if excused else ""))
+        # positions outside the band pass on the kernels path only by a legal routing flip
+        s_ok, s_worst, s_ev = stability.run(refs["fp32"], refs["matched"], lambda _t, got=got: got,
+                                            band_cfg, [full], flips)
+        ok &= s_ok
+        band_worst = max(band_worst, s_worst)
+        evidence += [f"prompt {i} vs FP32 within the stability band: " + e for e in s_ev]
     ok, evidence = _widths_and_layers(s, s.prompts[-1][: g.length], ops, ok, evidence)
     ok &= matched_ok
     margin = ("bit-exact vs matched; " if row is not None and matched_ok else "") + (
