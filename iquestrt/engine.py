@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import triton
 
 from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
@@ -79,10 +80,6 @@ class Session:
     rounds: int = 0
     result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
     device: DeviceState | None = None
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
@@ -283,9 +280,10 @@ class Engine:
         rows, dev, cap = self.rcfg.max_width, self.w.device, self.rcfg.positions_cap(self.cfg)
         need = len(req.prompt_ids) + 1 + req.max_new_tokens + rows
         return DeviceState.create(
-            positions=min(_pow2(need), cap + 1 + rows), rows=rows,
+            positions=min(triton.next_power_of_2(need), cap + 1), rows=rows,
             hidden=self.cfg.target.hidden_size,
-            max_rounds=min(_pow2(req.max_new_tokens), cap), stops=max(8, len(req.stop_ids)),
+            max_rounds=min(triton.next_power_of_2(req.max_new_tokens), cap),
+            stops=max(8, len(req.stop_ids)),
             sampling=DeviceSampling.create(req.sampling, self.cfg.target.vocab_size, dev),
             device=dev)
 

@@ -64,8 +64,9 @@ class DeviceState:
     @classmethod
     def create(cls, *, positions: int, rows: int, hidden: int, max_rounds: int, stops: int,
                sampling: DeviceSampling, device) -> DeviceState:
-        """Buffers for any request of one shape (RequestShape) within the capacities:
-        positions (tokens), max_rounds (log rows), stops (stop ids); `begin` fills one in."""
+        """Buffers for any request of one shape (sampling's top_k / greedy) within the
+        capacities: positions (tokens), max_rounds (log rows), stops (stop ids); `begin` fills
+        one in."""
         i32 = dict(dtype=torch.int32, device=device)
         stop = torch.full((max(1, stops),), -2, dtype=torch.int64, device=device)
         width = 1 if sampling.greedy else sampling.top_k

@@ -21,18 +21,13 @@ def _row(params: SamplingDefaults) -> list[float]:
     return [params.temperature or 1.0, params.top_p, float(params.top_p < 1.0)]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class DeviceSampling:
     top_k: int
     greedy: bool
     values: torch.Tensor  # [3] fp32: temperature (1 when greedy), top_p, apply_top_p (0 or 1)
-    host: list[SamplingDefaults]  # [the parameters last written]: for host-side twins only
-
-    @property
-    def params(self) -> SamplingDefaults:
-        """The request's parameters as given (the CPU twins sample with these; kernels read
-        `values`, never this)."""
-        return self.host[0]
+    params: SamplingDefaults  # the parameters last written: the host-side twins sample with
+    # these; kernels read `values`, never this
 
     @classmethod
     def create(cls, params: SamplingDefaults, vocab: int, device) -> DeviceSampling:
@@ -41,7 +36,7 @@ class DeviceSampling:
                              f"{type(params).__name__}")
         params.validate(vocab, where="params")
         return cls(params.top_k, params.temperature == 0.0,
-                   torch.tensor(_row(params), dtype=torch.float32, device=device), [params])
+                   torch.tensor(_row(params), dtype=torch.float32, device=device), params)
 
     def matches(self, params: SamplingDefaults) -> bool:
         """Same request shape: a graph captured with self serves params after `update`."""
@@ -56,4 +51,4 @@ class DeviceSampling:
                 f"greedy {params.temperature == 0.0}) than this one's (top_k {self.top_k}, "
                 f"greedy {self.greedy}): capture another graph")
         self.values.copy_(torch.tensor(_row(params), dtype=torch.float32), non_blocking=True)
-        self.host[0] = params
+        self.params = params
