@@ -73,10 +73,9 @@ class RuntimeCaches:
         self.draft_next = keep
 
     def reset(self) -> None:
-        """Empty, in place, as `create` made them (a new request on the same tensors)."""
+        """Empty, in place, for a new request on the same tensors: every label EMPTY. K/V bytes
+        stay (an unlabelled slot is never read, as after a rollback)."""
         for layer in [*self.target, self.draft]:
-            layer.k.zero_()
-            layer.v.zero_()
             layer.slot_pos.fill_(EMPTY)
         self.target_len, self.draft_next = 0, DRAFT_START
 
