@@ -10,10 +10,13 @@
 Capture runs the program twice (a warm-up on a side stream that JIT-compiles the kernels, then
 the capture) with the state's done flag set: every kernel sees 0 live rows and every state
 update is `where(go, …)`, so neither run changes the request's state or caches (iquestrt/round.py).
-Graphs bind the addresses of this request's state and caches; a new request captures anew
-(outside the decode clock, like prefill). The draft depth of the captured program is the
-policy's maximum; an adaptive policy's later depths are gated on the device (IF nodes, or 0
-live rows when eager).
+Graphs bind addresses: the state's, the caches' and the round program's own buffers (drafts,
+q rows, the carry across depth parts). A launcher therefore owns its program — a graph outliving
+it replays into freed blocks that the allocator hands to the next tensor (on the H200 this made
+four alternating engines corrupt each other). A new request of the same shape reuses the
+launcher (RoundPrograms.get); another shape captures anew, outside the decode clock like
+prefill. The draft depth of the captured program is the policy's maximum; an adaptive policy's
+later depths are gated on the device (IF nodes, or 0 live rows when eager).
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from iquestrt.state import DeviceState
 
 class Launcher:
     """launch(first, rounds): queue rounds first … first+rounds−1 (asynchronous on a GPU);
-    `first` = rounds committed so far (the host knows it from its last log read)."""
+    `first` = rounds committed so far (the host knows it from its last log read). Holds
+    `program`: its buffers are the ones a captured graph of it reads and writes."""
 
-    def __init__(self, one_round: Callable[[], None]):
-        self.one_round = one_round
+    def __init__(self, one_round: Callable[[], None], program: RoundProgram):
+        self.one_round, self.program = one_round, program
 
     def launch(self, first: int, rounds: int) -> None:
         for _ in range(rounds):
@@ -44,9 +48,9 @@ class Launcher:
 
 
 class CondLauncher(Launcher):
-    def __init__(self, graph: CondGraph):
+    def __init__(self, graph: CondGraph, program: RoundProgram):
+        super().__init__(graph.launch_round if not graph.looping else None, program)
         self.graph = graph
-        self.one_round = graph.launch_round if not graph.looping else None
 
     def launch(self, first: int, rounds: int) -> None:
         if not self.graph.looping:
@@ -79,7 +83,7 @@ class RoundPrograms:
         self.built += 1
         program = RoundProgram(engine, st, policy)
         if not self.graphs:
-            self.launcher = Launcher(program)
+            self.launcher = Launcher(program, program)
             return self.launcher
         if st.tokens.device.type != "cuda":
             raise ValueError("RuntimeConfig.graphs needs a CUDA device")
@@ -87,9 +91,9 @@ class RoundPrograms:
             if self._cond is None:
                 self._cond = ConditionKernel.compile(st.tokens.device)
             graph = capture_conditional(program, st, self._cond, self.loop == "device")
-            self.launcher = CondLauncher(graph)
+            self.launcher = CondLauncher(graph, program)
             return self.launcher
-        self.launcher = Launcher(capture(program, st).replay)  # the bound method keeps the graph
+        self.launcher = Launcher(capture(program, st).replay, program)  # replay keeps the graph
         return self.launcher
 
 

@@ -7,7 +7,10 @@ Dimension letters: none (token lists and digests)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch
 
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
@@ -84,3 +87,47 @@ def test_reuse_needs_the_state_reset(ckpt, monkeypatch):
 def test_graphs_are_captured_once_per_shape(ckpt, loop):
     eng = check_sequence(ckpt, "cuda", graphs=True, loop=loop)
     assert (eng.programs.built, eng.programs.reused) == (4, 2)
+
+
+def fill_free_blocks(device: str) -> list[torch.Tensor]:
+    """Tensors of 0xff covering the allocator's free cached blocks (large to small, each size
+    until the pool would grow): whatever a stale pointer still names now belongs to them."""
+    filler = []
+    for size in (2**k for k in range(26, 8, -1)):
+        while True:
+            before = torch.cuda.memory_reserved(device)
+            t = torch.full((size,), 255, dtype=torch.uint8, device=device)
+            if torch.cuda.memory_reserved(device) > before:
+                break
+            filler.append(t)
+    return filler
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", ["host", "device"])
+def test_a_captured_round_writes_only_memory_its_engine_holds(ckpt, loop):
+    """A graph binds the round program's buffers (drafts, q rows, carries): when the launcher
+    did not keep the program, those blocks were freed after capture and every replay wrote into
+    whatever the allocator put there next (on the H200: four alternating engines changed each
+    other's tokens). Here the freed blocks are taken by 0xff filler that must stay intact."""
+    eng = engine(ckpt, "cuda", graphs=True, loop=loop)
+    want = outcome(eng, A)
+    gc.collect()
+    filler = fill_free_blocks("cuda")
+    got = outcome(eng, A)
+    torch.cuda.synchronize()
+    hit = [i for i, t in enumerate(filler) if not bool((t == 255).all())]
+    assert not hit, f"replays wrote into {len(hit)} of {len(filler)} blocks the engine had freed"
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_alternating_engines_keep_their_own_results(ckpt):
+    """The bench's pattern: engines of depths 3 and 5 built, then alternated."""
+    engines = [Engine(from_checkpoint(ckpt, "cuda", 256),
+                      RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=256,
+                                    policy=FixedDepth(d), graphs=True, loop=loop))
+               for d in (3, 5) for loop in ("host", "device")]
+    first = [outcome(e, A) for e in engines]
+    for _ in range(2):
+        assert [outcome(e, A) for e in engines] == first
