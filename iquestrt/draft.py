@@ -57,26 +57,38 @@ class DraftModel:
         return self._body(eh, pos, live, cache)
 
     def forward_entry(self, tokens_src: torch.Tensor, tok_base, tok_max: int,
-                      hid_src: torch.Tensor, hid_base, pos_base, live: Live, cache):
+                      hid_src: torch.Tensor, hid_base, pos_base, live: Live, cache,
+                      fused: bool = False):
         """forward_rows with its operands built by one entry launch (kernels/draft_entry.py):
         row r < n takes token tokens_src[clamp(tok_base + r, 0, tok_max)] [P] (id clamped to
         [0, V − 1]) and hprev hid_src[clamp(hid_base + r, 0, S − 1)] [S, H] at position
         pos_base + r. The bases are device [1] tensors or host ints (capturable: no host
-        reads). → (logits [R, V] FP32, hidden [R, H] bf16, pos [R] int32, padding −1)."""
+        reads). fused: the operand is built inside the eh_proj GEMM instead (kernels/eh_proj.py,
+        the same bits; a later depth's one row). → (logits [R, V] FP32, hidden [R, H] bf16,
+        pos [R] int32, padding −1)."""
         d, t = self.w.draft, self.t
         rows, dev = self.width, self.w.device
-        eh = torch.empty(rows, 2 * t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
         pos = torch.empty(rows, dtype=torch.int32, device=dev)  # [R]
-        self.ops.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live,
-                             d.embed, d.enorm, d.hnorm, t.rms_norm_eps, eh, pos)
-        logits, hidden = self._body(eh, pos, live, cache)
+        src = (tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live, d.embed,
+               d.enorm, d.hnorm, t.rms_norm_eps)
+        if fused:
+            x, _ = self.ops.eh_proj(*src, d.eh_proj, pos)  # [R, H]
+        else:
+            eh = torch.empty(rows, 2 * t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
+            self.ops.draft_entry(*src, eh, pos)
+            x = self.ops.linear_bf16_f32(eh, d.eh_proj, live, torch.bfloat16)  # [R, H]
+        logits, hidden = self._layer(x, pos, live, cache)
         return logits, hidden, pos
 
     def _body(self, eh: torch.Tensor, pos: torch.Tensor, live: Live, cache):
         """eh [R, 2H] bf16 (live rows) → (logits [R, V] FP32, hidden [R, H] bf16)."""
+        x = self.ops.linear_bf16_f32(eh, self.w.draft.eh_proj, live, torch.bfloat16)  # [R, H]
+        return self._layer(x, pos, live, cache)
+
+    def _layer(self, x: torch.Tensor, pos: torch.Tensor, live: Live, cache):
+        """x [R, H] bf16 = eh_proj's output → (logits [R, V] FP32, hidden [R, H] bf16)."""
         d, ops, t = self.w.draft, self.ops, self.t
         eps = t.rms_norm_eps
-        x = ops.linear_bf16_f32(eh, d.eh_proj, live, torch.bfloat16)  # [R, H]
         aw = d.attn
         _, xn = ops.norm_rows(x, aw.attention_norm, live, eps)
         o = attention_block(ops, t, aw, xn, pos, live, cache, d.rope)

@@ -30,6 +30,7 @@ import torch.nn.functional as F_
 from iquestrt.weights import Fp8Linear, MoeWeights
 from kernels import attention as k_attention
 from kernels import draft_entry as k_entry
+from kernels import eh_proj as k_eh_proj
 from kernels import kv_cache as k_kv
 from kernels import linear as k_linear
 from kernels import moe as k_moe
@@ -249,6 +250,16 @@ class TwinOps:
         pos_out.copy_(torch.where(ar < live.n, _host_int(pos_base) + ar, -1))
         return eh_out, pos_out
 
+    def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                live: Live, embed, enorm, hnorm, eps, weight, pos_out):
+        """The composition the fused kernel replaces: draft_entry, then eh_proj's linear
+        (bf16 out) → (x [R, N], pos_out)."""
+        eh = torch.zeros(pos_out.shape[0], 2 * embed.shape[1], dtype=torch.bfloat16,
+                         device=self.dev)
+        self.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live, embed,
+                         enorm, hnorm, eps, eh, pos_out)
+        return self.linear_bf16_f32(eh, weight, live, torch.bfloat16), pos_out
+
     def silu_mul_rows(self, g, u, live: Live):
         act = _rows(live.n, lambda r: (F_.silu(g[r : r + 1].float())
                                        * u[r : r + 1].float()).to(torch.bfloat16))
@@ -340,6 +351,11 @@ class KernelOps:
                     live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
         return k_entry.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
                                    live.t, embed, enorm, hnorm, eps, eh_out, pos_out)
+
+    def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                live: Live, embed, enorm, hnorm, eps, weight, pos_out):
+        return k_eh_proj.eh_proj(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
+                                 live.t, embed, enorm, hnorm, eps, weight, pos_out)
 
     def silu_mul_rows(self, g, u, live: Live):
         return k_rows.silu_mul_rows(g, u, live.t)

@@ -9,7 +9,8 @@ is a `where(go, new, old)`: it commits nothing.
 
   depth 0   catch-up rows draft_next … m (c = m − draft_next + 1: 1 row, or 2 after a round that
             accepted every draft), token at p with the target hidden of p − 1 (hidden_at …)
-  depth j   one row at position draft_next, token y_j with the previous depth's hidden; with
+  depth j   one row at position draft_next, token y_j with the previous depth's hidden (its
+            operand built inside the eh_proj GEMM: no entry launch); with
             an adaptive policy (reference/depth.py) a control step on the device decides after
             each depth ≥ 3 whether the next runs: a skipped depth runs nothing under conditional
             graphs (iquestrt/cond_graph.py), its kernels with 0 live rows when launched eagerly,
@@ -169,10 +170,11 @@ class RoundProgram:
             if j > j0 or forward_first:
                 if self._host_cpu and int(cy.one[0]) == 0:
                     return  # CPU: a skipped depth runs nothing
-                # one row: draft y_j (d_buf[j − 1]) with the previous depth's last hidden
+                # one row: draft y_j (d_buf[j − 1]) with the previous depth's last hidden,
+                # its operand built inside the eh_proj GEMM (kernels/eh_proj.py)
                 cy.logits, cy.hid, _ = e.draft.forward_entry(
                     self.d_buf, j - 1, R - 2, cy.hid, cy.last, cy.nxt, Live.on_device(cy.one),
-                    e.session.caches.draft)
+                    e.session.caches.draft, fused=True)
                 st.record_fault(_finite_rows(cy.logits, cy.one, ar), FAULT_DRAFT_LOGITS, j, 0)
                 if self._host_stop():
                     self._stopped = True

@@ -27,6 +27,8 @@ V vocabulary.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +49,18 @@ def _base(ptr, add, FROM_PTR: tl.constexpr):
 
 
 @triton.jit
+def _row_sources(row, tok_ptr, tok_base_ptr, hid_base_ptr, tok_add, hid_add, tok_max, hid_rows,
+                 vocab, stride_t, TOK_PTR: tl.constexpr, HID_PTR: tl.constexpr):
+    """Row `row`'s token id and hidden source row, both clamped (see the module docstring)."""
+    src = _base(tok_base_ptr, tok_add, TOK_PTR) + row
+    src = tl.minimum(tl.maximum(src, 0), tok_max)
+    tok = tl.load(tok_ptr + src * stride_t).to(tl.int64)
+    tok = tl.minimum(tl.maximum(tok, 0), vocab - 1)
+    hrow = _base(hid_base_ptr, hid_add, HID_PTR) + row
+    return tok, tl.minimum(tl.maximum(hrow, 0), hid_rows - 1)
+
+
+@triton.jit
 def _draft_entry_kernel(
     tok_ptr, tok_base_ptr, hid_ptr, hid_base_ptr, pos_base_ptr, n_live_ptr,
     embed_ptr, enorm_ptr, hnorm_ptr, eh_ptr, pos_ptr,
@@ -61,12 +75,8 @@ def _draft_entry_kernel(
     tl.store(pos_ptr + row, tl.where(row < n, p, -1).to(tl.int32))
     if row >= n:
         return
-    src = _base(tok_base_ptr, tok_add, TOK_PTR) + row
-    src = tl.minimum(tl.maximum(src, 0), tok_max)
-    tok = tl.load(tok_ptr + src * stride_t).to(tl.int64)
-    tok = tl.minimum(tl.maximum(tok, 0), vocab - 1)
-    hrow = _base(hid_base_ptr, hid_add, HID_PTR) + row
-    hrow = tl.minimum(tl.maximum(hrow, 0), hid_rows - 1)
+    tok, hrow = _row_sources(row, tok_ptr, tok_base_ptr, hid_base_ptr, tok_add, hid_add,
+                             tok_max, hid_rows, vocab, stride_t, TOK_PTR, HID_PTR)
     cols = tl.arange(0, BLOCK_H)
     m = cols < HIDDEN
     out = eh_ptr + row.to(tl.int64) * stride_eh + cols
@@ -101,22 +111,20 @@ def _unit_cols(name: str, t: torch.Tensor, shape, dtypes, device) -> None:
         raise ValueError(f"draft_entry: {name} must be contiguous, got stride {t.stride()}")
 
 
-def draft_entry(
-    tokens_src: torch.Tensor,  # [P] int64 token ids by slot
-    tok_base,  # int | [1] int32/int64: slot of row 0's token
-    tok_max: int,  # last slot a row may read (the dump slot at depth 0), 0 ≤ tok_max < P
-    hid_src: torch.Tensor,  # [S, H] bf16
-    hid_base,  # int | [1] int32/int64: hid_src row of row 0 (clamped to [0, S − 1] per row)
-    pos_base,  # int | [1] int32/int64: position of row 0
-    n_live: torch.Tensor,  # [1] int32 live rows (rows ≥ R are ignored)
-    embed: torch.Tensor,  # [V, H] bf16
-    enorm: torch.Tensor,  # [H]
-    hnorm: torch.Tensor,  # [H]
-    eps: float,
-    eh_out: torch.Tensor,  # [R, 2H] bf16, unit column stride: embedding half first
-    pos_out: torch.Tensor,  # [R] int32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (eh_out, pos_out): live rows of eh_out and every row of pos_out written."""
+@dataclass(frozen=True)
+class EntryArgs:
+    """Validated sources of an entry: sizes, the live count and each base as (device tensor or
+    None, host constant); `launch` = the kernel arguments both entry kernels take first."""
+
+    V: int
+    H: int
+    n: torch.Tensor
+    launch: tuple
+
+
+def entry_args(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, n_live, embed, enorm,
+               hnorm, rows: int) -> EntryArgs:
+    """Checks every source of an entry over a buffer of `rows` rows (errors name the argument)."""
     check_tensor("draft_entry: embed", embed, dims=2, dtypes=(torch.bfloat16,))
     dev = embed.device
     V, H = embed.shape
@@ -135,21 +143,44 @@ def draft_entry(
     _unit_cols("hid_src", hid_src, (S, H), (torch.bfloat16,), dev)
     for name, w in (("enorm", enorm), ("hnorm", hnorm)):
         _unit_cols(name, w, (H,), (torch.bfloat16, torch.float32), dev)
-    check_tensor("draft_entry: eh_out", eh_out, dims=2, dtypes=(torch.bfloat16,), device=dev)
+    n = live_count(n_live, rows, dev)
+    (tb, ta), (hb, ha), (pb, pa) = (_scalar(k, v, dev) for k, v in (
+        ("tok_base", tok_base), ("hid_base", hid_base), ("pos_base", pos_base)))
+    launch = (tokens_src, tb if tb is not None else n, hid_src, hb if hb is not None else n,
+              pb if pb is not None else n, n, embed, enorm, hnorm)
+    consts = dict(TOK_PTR=tb is not None, HID_PTR=hb is not None, POS_PTR=pb is not None)
+    return EntryArgs(V, H, n, (launch, (ta, ha, pa, tok_max, S, V), consts))
+
+
+def draft_entry(
+    tokens_src: torch.Tensor,  # [P] int64 token ids by slot
+    tok_base,  # int | [1] int32/int64: slot of row 0's token
+    tok_max: int,  # last slot a row may read (the dump slot at depth 0), 0 ≤ tok_max < P
+    hid_src: torch.Tensor,  # [S, H] bf16
+    hid_base,  # int | [1] int32/int64: hid_src row of row 0 (clamped to [0, S − 1] per row)
+    pos_base,  # int | [1] int32/int64: position of row 0
+    n_live: torch.Tensor,  # [1] int32 live rows (rows ≥ R are ignored)
+    embed: torch.Tensor,  # [V, H] bf16
+    enorm: torch.Tensor,  # [H]
+    hnorm: torch.Tensor,  # [H]
+    eps: float,
+    eh_out: torch.Tensor,  # [R, 2H] bf16, unit column stride: embedding half first
+    pos_out: torch.Tensor,  # [R] int32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """→ (eh_out, pos_out): live rows of eh_out and every row of pos_out written."""
+    check_tensor("draft_entry: eh_out", eh_out, dims=2, dtypes=(torch.bfloat16,))
     R = eh_out.shape[0]
     if R < 1:
         raise ValueError("draft_entry: eh_out has no rows")
+    a = entry_args(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, n_live, embed,
+                   enorm, hnorm, R)
+    dev, H = embed.device, a.H
     _unit_cols("eh_out", eh_out, (R, 2 * H), (torch.bfloat16,), dev)
     _unit_cols("pos_out", pos_out, (R,), (torch.int32,), dev)
-    n = live_count(n_live, R, dev)
-    (tb, ta), (hb, ha), (pb, pa) = (_scalar(k, v, dev) for k, v in (
-        ("tok_base", tok_base), ("hid_base", hid_base), ("pos_base", pos_base)))
+    ptrs, ints, consts = a.launch
     _draft_entry_kernel[(R,)](
-        tokens_src, tb if tb is not None else n, hid_src, hb if hb is not None else n,
-        pb if pb is not None else n, n, embed, enorm, hnorm, eh_out, pos_out,
-        ta, ha, pa, tok_max, S, V,
+        *ptrs, eh_out, pos_out, *ints,
         tokens_src.stride(0), hid_src.stride(0), embed.stride(0), eh_out.stride(0), float(eps),
-        HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), TOK_PTR=tb is not None,
-        HID_PTR=hb is not None, POS_PTR=pb is not None, num_warps=4, **_COMPILE,
+        HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), **consts, num_warps=4, **_COMPILE,
     )
     return eh_out, pos_out

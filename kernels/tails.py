@@ -50,11 +50,16 @@ def _bf16(x):
 
 
 @triton.jit
+def _inv_rms(x, eps, HIDDEN: tl.constexpr):
+    """1/sqrt(sum(x²)/H + eps) of a row x [BLOCK_H] (masked columns hold 0)."""
+    ms = tl.div_rn(tl.sum(x * x, axis=0), tl.full([], HIDDEN, tl.float32))
+    return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
+
+
+@triton.jit
 def _rms(x, w, eps, HIDDEN: tl.constexpr):
     """x · (1/sqrt(sum(x²)/H + eps)) · w, in that order (masked columns of x hold 0)."""
-    ms = tl.div_rn(tl.sum(x * x, axis=0), tl.full([], HIDDEN, tl.float32))
-    inv = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
-    return x * inv * w
+    return x * _inv_rms(x, eps, HIDDEN) * w
 
 
 @triton.jit

@@ -155,6 +155,20 @@ class Lockstep:
         assert torch.equal(got[1], want[1]), "draft_entry positions differ from the twin"
         return got
 
+    def eh_proj(self, *a):
+        """Fused entry + projection == the kernel entry launch then the kernel linear, bit for
+        bit (each of those compared with its twin as above)."""
+        src, w, pos = a[:-2], a[-2], a[-1]
+        live, embed = a[6], a[7]
+        got = self.k.eh_proj(*a)
+        eh = torch.zeros(pos.shape[0], 2 * embed.shape[1], dtype=torch.bfloat16,
+                         device=pos.device)
+        _, want_pos = self.draft_entry(*src, eh, pos.clone())
+        want = self.linear_bf16_f32(eh, w, live, torch.bfloat16)
+        assert torch.equal(got[0][: live.n], want[: live.n]), "fused eh_proj != entry + linear"
+        assert torch.equal(got[1], want_pos), "eh_proj positions differ from the entry launch's"
+        return got
+
     def silu_mul_rows(self, g, u, live):
         got = self.k.silu_mul_rows(g, u, live)
         self._cmp(got[: live.n], self.t.silu_mul_rows(g, u, live)[: live.n], "kernels.rows.silu",
