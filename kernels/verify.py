@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.sampler import _COMPILE, draw_stored, rank_desc, seed_args, seq_sum, uniform
+from kernels.sampler_checks import seed_args
+from kernels.sampler_kernels import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
 
 MAX_DRAFTS = 15
 MAX_WIDTH = 64

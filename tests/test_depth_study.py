@@ -20,21 +20,17 @@ from reference.depth_fit import CostModel
 from reference.model import ReferenceModel
 from reference.speculative import ReferenceGenerator
 from tests.test_engine_setup import make_ckpt, rounds_key
-from training.depth_study import (
+from training.depth_study import StudyConfig as Cfg
+from training.depth_study_prompts import Prompt, check_disjoint, heldout_prompts, train_prompts
+from training.depth_study_runs import SharedPrefill, run_pairs
+from training.depth_study_stats import (
     BENCH,
-    Prompt,
-    SharedPrefill,
     bootstrap_ratio,
     by_policy,
-    check_disjoint,
     cost_from_benchmark,
-    heldout_prompts,
     heldout_summary,
     pair_arrays,
-    run_pairs,
-    train_prompts,
 )
-from training.depth_study import StudyConfig as Cfg
 
 SEEDS, NEW = (0, 1), 8
 # The correlated tiny draft is near one-hot at T = 1 (q = 1, h = 0 in every round): at T = 8 its

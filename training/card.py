@@ -10,16 +10,12 @@ accepted drafts 1 … j−1; the rate is accepted-at-j / reached-j, i.e. P(draft
 drafts 1 … j−1 accepted). Mean accepted length is GenerationResult's: tokens emitted per round
 (replacement or bonus included; the budget trims the last round), pooled over requests.
 
-Routing. The reference exposes no routing hook, so `recorded_routes` wraps the instance's MoE
-call and re-derives the top-k ids with ops.route from the same router input the model uses
-(x, or router_in when folded). Distinct experts for r rows: over every window of r consecutive
-prompt positions, the size of the union of their top-k ids, averaged (pooled over prompts).
-
 Defaults (12 prompts cut to their last 512 tokens, 64 new tokens, 9 decodes each) take ≈ 2 min
 of CPU on one thread. Bits depend on the torch build and thread count (recorded): CPU GEMM
 blocking changes BF16 roundings, and one flipped sample changes a whole trajectory.
 
-Dimension letters: T positions, K top-k, E experts, D draft depth.
+Routing (distinct experts): training/card_routing.py; the MODEL_CARD.md text:
+training/card_render.py. Dimension letters: D draft depth.
 """
 
 from __future__ import annotations
@@ -31,21 +27,20 @@ import platform
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from corpus.requests import DEFAULT_REQUESTS, KINDS, load_requests
-from reference import ops
 from reference.config import SamplingDefaults
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, RoundRecord, generate
+from training.card_render import _f, render
+from training.card_routing import target_routes, uniform_union, union_sizes
 
 SAMPLING = SamplingDefaults(temperature=1.0, top_k=20, top_p=0.95)
 GREEDY = SamplingDefaults(temperature=0.0, top_k=0, top_p=1.0)
-TARGET_PREFIX = "model.layers."
 
 
 @dataclass(frozen=True)
@@ -122,53 +117,6 @@ def decode_tallies(model: ReferenceModel, prompt: list[int], cfg: CardConfig) ->
     return out
 
 
-# --- routing ------------------------------------------------------------------------------
-
-@contextmanager
-def recorded_routes(model: ReferenceModel):
-    """Yields {prefix: [ids [R, K] per MoE call]} filled while the block runs."""
-    log: dict[str, list[torch.Tensor]] = {}
-    inner = model._moe
-
-    def moe(pre, x, top_k, router_in=None):
-        src = x if router_in is None else router_in  # the router input ReferenceModel._moe uses
-        _, ids = ops.route(src, model.p[pre + "mlp.router.weight"], top_k)
-        log.setdefault(pre, []).append(ids)
-        return inner(pre, x, top_k, router_in)
-
-    model._moe = moe
-    try:
-        yield log
-    finally:
-        del model._moe  # back to the class method
-
-
-def target_routes(model: ReferenceModel, prompt: list[int]) -> dict[int, torch.Tensor]:
-    """{MoE layer: ids [T, K]} of the target over one prompt (one prefill)."""
-    n = len(prompt)
-    with recorded_routes(model) as log:
-        model.target(torch.tensor(prompt), torch.arange(n), model.new_target_cache())
-    return {int(pre[len(TARGET_PREFIX):].rstrip(".")): torch.cat(ids)
-            for pre, ids in log.items() if pre.startswith(TARGET_PREFIX)}
-
-
-def union_sizes(ids: torch.Tensor, n_experts: int, rows: int) -> list[tuple[int, int]]:
-    """(Σ union size, windows) over windows of r = 1 … rows consecutive positions; ids [T, K]."""
-    hit = torch.zeros(ids.shape[0], n_experts, dtype=torch.bool)  # [T, E]
-    hit.scatter_(1, ids, True)
-    acc, out = hit, []
-    for r in range(1, rows + 1):
-        if r > 1:
-            acc = acc[:-1] | hit[r - 1 :]  # acc[t] = experts of positions t … t+r−1
-        out.append((int(acc.sum()), acc.shape[0]))
-    return out
-
-
-def uniform_union(n_experts: int, top_k: int, r: int) -> float:
-    """E[union size] when each of r rows picks top_k distinct experts uniformly, independently."""
-    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** r)
-
-
 # --- the run ------------------------------------------------------------------------------
 
 def pick_requests(path: Path, n: int) -> list[dict]:
@@ -232,7 +180,7 @@ def measure(model: ReferenceModel, tokenizer, recs: list[dict], cfg: CardConfig,
     }
 
 
-# --- citation, environment, rendering ---------------------------------------------------------
+# --- citation, environment ------------------------------------------------------------------
 
 CITED = ("command", "steps", "total_steps", "stopped_by", "tokens", "epochs", "train_seconds",
          "tokens_per_s", "device", "torch", "seed", "checkpoint_bytes", "data", "params",
@@ -265,143 +213,6 @@ def environment() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(), "cpus": os.cpu_count(),
             "torch_threads": torch.get_num_threads()}
-
-
-def _f(x, nd=3) -> str:
-    return "–" if x is None else f"{x:.{nd}f}"
-
-
-def _table(head: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def render(card: dict) -> str:
-    t, d, tr = card["config"]["target"], card["config"]["draft"], card["training"]
-    ev, ro = card["evaluation"], card["evaluation"]["routing"]
-    hl, tl, p = tr["heldout_loss"], tr["train_loss"], tr["params"]
-    deep = str(max(int(k) for k in ev["by_depth"]))
-    seeds = [f"sampling-seed{s}" for s in ev["seeds"]]
-    arch = _table(["field", "value"], [
-        ["layers", f"{len(t['layer_types'])}: " + " ".join(x[0].upper() for x in t["layer_types"])],
-        ["vocab / hidden", f"{t['vocab_size']} / {t['hidden_size']}"],
-        ["attention", f"{t['num_attention_heads']} q / {t['num_key_value_heads']} kv heads of "
-                      f"{t['head_dim']}, rotary {t['rotary_dim']}, window {t['sliding_window']}, "
-                      f"sink {t['attention_sink']}, qk-norm {t['qk_norm']}"],
-        ["layer 0", f"dense SwiGLU, intermediate {t['intermediate_size']}"],
-        ["layers ≥ 1", f"MoE {t['num_experts']} experts, top-{t['num_experts_per_tok']}, "
-                       f"intermediate {t['moe_intermediate_size']}"],
-        ["MTP draft", f"1 layer × {d['num_draft_slots']} slots, window {d['sliding_window']}, "
-                      f"MoE {d['num_experts']} top-{d['num_experts_per_tok']}"],
-        ["max positions", t["max_position_embeddings"]],
-        ["parameters", f"{p['total'] / 1e6:.2f} M; {p['target_active_per_token'] / 1e6:.2f} M "
-                       "touched per target token (embeddings excluded)"],
-        ["checkpoint", f"E4M3 128×128 blocks (lm_head quantized: {t['quantize_lm_head']}), "
-                       f"{tr['checkpoint_bytes'] / 1e6:.2f} MB"]])
-    train = _table(["field", "value"], [
-        ["command", f"`{tr['command']}`"], ["device / torch", f"{tr['device']} / {tr['torch']}"],
-        ["steps", f"{tr['steps']} (stopped by {tr['stopped_by']})"],
-        ["tokens", f"{tr['tokens']:,} ({tr['epochs']:.2f} epochs of "
-                   f"{tr['data']['train_tokens']:,})"],
-        ["seconds", f"{tr['train_seconds']:.1f} ({tr['tokens_per_s'] / 1e3:.1f} k tokens/s)"],
-        ["batch × seq, lr", f"{tr['train_config']['batch_size']} × {tr['train_config']['seq_len']}"
-                            f", {tr['train_config']['lr']}"]])
-    nd = len(hl["draft"])
-    loss = _table(["loss (nats/token)", "target"] + [f"draft {j}" for j in range(1, nd + 1)], [
-        [f"held-out ({hl['tokens']:,} tokens)", _f(hl["target"])] + [_f(x) for x in hl["draft"]],
-        [f"train (mean of steps {tl['step'] - tl['steps'] + 1}–{tl['step']})", _f(tl["target"])]
-        + [_f(x) for x in tl["draft"]]])
-    s7, g7 = ev["by_depth"][deep]["sampling"], ev["by_depth"][deep]["greedy"]
-    accept = _table(["draft j", "sampling P(accept)", "reached", "greedy P(accept)", "reached"], [
-        [j + 1, _f(s7["acceptance"][j]), s7["reached"][j], _f(g7["acceptance"][j]),
-         g7["reached"][j]] for j in range(int(deep))])
-    mal = _table(["depth"] + seeds + ["sampling (pooled)", "greedy"], [
-        [k] + [_f(ev["by_depth"][k][m]["mean_accepted_length"], 2)
-               for m in seeds + ["sampling", "greedy"]]
-        for k in sorted(ev["by_depth"], key=int)])
-    experts = _table(["layer"] + [f"r={r}" for r in ro["rows"]], [
-        [f"{li} ({ro['layer_types'][int(li)]})"] + [_f(x, 2) for x in v]
-        for li, v in ro["distinct_experts"].items()]
-        + [["independent uniform"] + [_f(x, 2) for x in ro["independent_uniform"]]])
-    kinds = sorted({r["kind"] for r in ev["requests"]})
-    cut = sum(r["used_tokens"] < r["prompt_tokens"] for r in ev["requests"])
-    minutes = tr["train_seconds"] / 60
-    return f"""# Model card: `{card['config']['target']['name']}`
-
-Generated by `{card['command']}`
-at revision `{card['environment']['revision']}` (uncommitted changes to tracked files:
-{card['environment']['tracked_changes']}); every number is also in `card.json`.
-
-## Intended use
-
-Tests and reports of IQuestRT: a toy code model with the IQuest-Q1 structure (MoE target +
-recursive MTP draft), trained {minutes:.1f} minutes on CPython's standard library. It gives
-the runtime real weights whose draft agrees with its target often but not always. It is not a
-useful code model.
-
-## Architecture
-
-{arch}
-
-## Training (cited from training_report.json)
-
-{train}
-
-## Loss
-
-Held-out: the trained weights before E4M3 export, teacher-forced on held-out stdlib files, as
-`training/loss.py` evaluates them; draft j is the j-th recursive draft depth. Train: the mean
-over the last logged window of steps.
-
-{loss}
-
-## Draft acceptance per depth (FixedDepth({deep}))
-
-P(draft j accepted | drafts 1 … j−1 accepted); "reached" counts the rounds the rate is over.
-Sampling: temperature {ev['sampling']['temperature']}, top-k {ev['sampling']['top_k']}, top-p
-{ev['sampling']['top_p']}, seeds {ev['seeds']} pooled. Greedy: temperature 0.
-
-{accept}
-
-## Mean accepted length (tokens per round, bonus/replacement included)
-
-{mal}
-
-## Distinct experts vs consecutive rows
-
-Mean size of the union of the target's top-{ro['top_k']} expert ids over r consecutive prompt
-positions, per MoE layer ({ro['positions']:,} prompt positions; {ro['num_experts']} experts).
-"independent uniform" = E·(1 − (1 − k/E)^r), for comparison.
-
-{experts}
-
-## How this was measured
-
-- Prompts: {len(ev['requests'])} held-out requests from `data/requests/v1` ({', '.join(kinds)}),
-  the midpoints of equal strata of each kind's length-sorted list, encoded without special
-  tokens. To bound CPU time, prompts longer than {ev['max_prompt_tokens']} tokens keep their
-  last {ev['max_prompt_tokens']} tokens ({cut} of {len(ev['requests'])} were cut).
-- Decoding: {ev['tokens']} new tokens per run with the reference model (`reference/`,
-  {ev['precision']} precision, E4M3 weights dequantized) and `ReferenceGenerator` at fixed
-  draft depths {sorted(map(int, ev['by_depth']))}, as `iquestrt generate --backend reference`.
-- Routing: one target prefill of each (cut) prompt.
-- Wall time {ev['seconds']:.0f} s, process CPU time {ev['cpu_seconds']:.0f} s, on
-  {card['environment']['cpus']} CPUs.
-
-## Limitations
-
-- {p['total'] / 1e6:.1f} M parameters trained on {tr['data']['train_tokens'] / 1e6:.1f} M tokens
-  of one code base ({tr['epochs']:.1f} epochs): its continuations look like Python but are not
-  correct code.
-- Acceptance comes from {len(ev['requests'])} prompts × {ev['tokens']} tokens; the "reached"
-  column is each rate's sample size, and deep rates rest on few rounds.
-- Measured with the BF16 reference, not the runtime's matched FP8 rounding; cut prompts start
-  mid-file, unlike the request set's prompts.
-- Reproducible bit for bit only with the same torch build and thread count (in `card.json`):
-  another CPU GEMM blocking changes BF16 roundings, and one flipped sample changes a whole
-  sampling trajectory: per-seed tokens/round can move by a tenth or more.
-- Tokenizer and corpus cover CPython's standard library only.
-"""
 
 
 def main(argv: list[str] | None = None) -> int:

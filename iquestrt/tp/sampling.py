@@ -40,7 +40,7 @@ from reference.rng import MASK32, Purpose
 from reference.sampling import SamplingError, order_desc
 from reference.sampling_twins import sample_ref
 
-EMPTY = -(2**63) + 1  # kernels.sampler.EMPTY: below every real key
+EMPTY = -(2**63) + 1  # kernels.sampler_kernels.EMPTY: below every real key
 ID_BITS = 2**31 - 1
 
 
@@ -52,7 +52,7 @@ def key_width(params: SamplingDefaults | DeviceSampling) -> tuple[int, int]:
 
 
 def order_keys(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """kernels.sampler.order_key in torch: (m(z) << 32) | (2^31 − 1 − id), −0.0 as +0.0.
+    """kernels.sampler_kernels.order_key in torch: (m(z) << 32) | (2^31 − 1 − id), −0.0 as +0.0.
     z [..] fp32, ids [..] int64 → [..] int64."""
     z = torch.where(z == 0.0, torch.zeros_like(z), z)
     b = z.view(torch.int32).to(torch.int64)

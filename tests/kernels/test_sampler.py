@@ -449,7 +449,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kernels.sampler as S
+    import kernels.sampler_kernels as S
     import kernels.verify as VF
 
     def build(fn, args, consts, warps=4, lib=True):
