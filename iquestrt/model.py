@@ -40,11 +40,12 @@ def padded_tokens(tokens: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table,
-                    qkv_view=None):
+                    qkv_view=None, xq=None):
     """xn [R, H] bf16 → attention output [R, Hq·D] bf16 (K/V of the live rows written first).
     qkv_view: maps the QKV partials to [S, R, (Hq + 2·Hkv)·D] (a tensor-parallel rank's padded
-    block layout, iquestrt/tp/plan.py); None: they are laid out so already."""
-    parts = ops.linear_fp8_partials(xn, aw.qkv, live)  # [S, R, (Hq + 2·Hkv)·D]
+    block layout, iquestrt/tp/plan.py); None: they are laid out so already. xq: (E4M3 [R, H],
+    scales [R, ⌈H/128⌉]) = quantize_act(xn) from the previous MoE tail, or None."""
+    parts = ops.linear_fp8_partials(xn, aw.qkv, live, xq=xq)  # [S, R, (Hq + 2·Hkv)·D]
     if qkv_view is not None:
         parts = qkv_view(parts).contiguous()
     q, k, v = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
@@ -88,6 +89,7 @@ class TargetModel:
         eps = self.t.rms_norm_eps
         x = w.embed[tokens]  # [R, H] bf16 (padding rows embed token 0; never read)
         _, xn = ops.norm_rows(x, w.layers[0].attn.attention_norm, live, eps)
+        xq = None  # quantize_act(xn) when the MoE tail made it (layers ≥ 2)
         last = len(w.layers) - 1
         for layer in w.layers:
             i, aw = layer.index, layer.attn
@@ -95,7 +97,7 @@ class TargetModel:
                 self.layer_trace.append((i, xn[: live.known].float().cpu()))
             if self.prefetcher is not None:
                 self.prefetcher.maybe_prefetch(i, xn, live)
-            o_parts = self._o_partials(layer, xn, pos, live, caches.target[i])  # [S, R, H]
+            o_parts = self._o_partials(layer, xn, pos, live, caches.target[i], xq)  # [S, R, H]
             next_norm = w.norm if i == last else w.layers[i + 1].attn.attention_norm
             if layer.dense is not None:  # layer 0: raw residual x, scale 1.0
                 tail = ops.attn_tail(o_parts, x, aw.attn_out_norm, aw.ffn_norm, live,
@@ -108,14 +110,18 @@ class TargetModel:
             if self.route_trace is not None:  # host-known rows only, like layer_trace
                 self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
             f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
-            xn = ops.moe_tail(self._moe_partials(i, f), tail.h, next_norm, live,
-                              flags[i : i + 1], eps=eps, ffn_out_scale=t.ffn_out_scale).xn
+            out = ops.moe_tail(self._moe_partials(i, f), tail.h, next_norm, live,
+                               flags[i : i + 1], eps=eps, ffn_out_scale=t.ffn_out_scale,
+                               quantize=i != last)
+            xn, xq = out.xn, (None if out.xq is None else (out.xq, out.sx))
         return self._logits(xn, live), xn
 
     # --- what a tensor-parallel rank replaces (iquestrt/tp/model.py) ---------------------------
-    def _o_partials(self, layer, xn, pos, live: Live, cache) -> torch.Tensor:
-        """Attention of xn [R, H] → the O projection's partials [S, R, H] the tail sums."""
-        o = attention_block(self.ops, self.t, layer.attn, xn, pos, live, cache, layer.rope)
+    def _o_partials(self, layer, xn, pos, live: Live, cache, xq=None) -> torch.Tensor:
+        """Attention of xn [R, H] (xq: its quantization, or None) → the O projection's partials
+        [S, R, H] the tail sums."""
+        o = attention_block(self.ops, self.t, layer.attn, xn, pos, live, cache, layer.rope,
+                            xq=xq)
         return self.ops.linear_fp8_partials(o, layer.attn.o, live)
 
     def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:

@@ -135,8 +135,9 @@ class TwinOps:
                                                                 dequant=self.dq))
         return _padded(y, x.shape[0], self.dev)  # [R, N]
 
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
-        """[1, R, N] FP32: the twin is one GEMM, i.e. a single partial."""
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
+        """[1, R, N] FP32: the twin is one GEMM, i.e. a single partial. xq (a producer's
+        quantization of x) is not needed: the twin quantizes x itself, to the same values."""
         return self.linear_fp8(x, lin, live, torch.float32)[None]
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
@@ -181,11 +182,17 @@ class TwinOps:
             res.weights = _padded(torch.cat([o.weights for o in outs]), rows, self.dev)
         return res
 
-    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale) -> MoeTailOut:
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
+                 quantize=False) -> MoeTailOut:
         xn = _rows(live.n, lambda r: t_tails.moe_tail_ref(
             parts[:, r : r + 1], h[r : r + 1], next_norm, 1, flag, eps=eps,
             ffn_out_scale=ffn_out_scale).xn)
-        return MoeTailOut(_padded(xn, parts.shape[1], self.dev))
+        out = MoeTailOut(_padded(xn, parts.shape[1], self.dev))
+        if quantize:  # live rows; padding rows NaN (the kernel leaves them unwritten)
+            q, s = ref_ops.quantize_act(xn.float())
+            out.xq = _padded(q.float(), parts.shape[1], self.dev).to(q.dtype)
+            out.sx = _padded(s, parts.shape[1], self.dev)
+        return out
 
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
         y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
@@ -293,8 +300,8 @@ class KernelOps:
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype)
 
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
-        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t)  # [S, R, N]
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
+        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq)  # [S, R, N]
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype)
@@ -326,9 +333,11 @@ class KernelOps:
                                  attn_out_scale=attn_out_scale, max_polls=self.max_polls,
                                  router_w=router_w, top_k=top_k, scratch=scratch)
 
-    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale) -> MoeTailOut:
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
+                 quantize=False) -> MoeTailOut:
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
-                                ffn_out_scale=ffn_out_scale, max_polls=self.max_polls)
+                                ffn_out_scale=ffn_out_scale, max_polls=self.max_polls,
+                                quantize=quantize)
 
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,

@@ -253,10 +253,11 @@ def _finish(partials, n_live, out, s, r, n, out_dtype, cfg: LinearLaunch) -> tor
     return out
 
 
-def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg):
+def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=None):
     r, k = x.shape
     big_n = weight.shape[0]
-    xq, sx = quantize_act(x, n)  # [R, K] E4M3, [R, ⌈K/128⌉] fp32; rows ≥ n untouched
+    # [R, K] E4M3, [R, ⌈K/128⌉] fp32; rows ≥ n untouched
+    xq, sx = quantize_act(x, n) if quantized is None else quantized
     stride_os = dst.stride(0) if dst.dim() == 3 else 0
     _linear_fp8_kernel[(triton.cdiv(big_n, cfg.block_n), s)](
         xq, sx, weight, scale_inv, n, dst, r, big_n, xq.stride(0), sx.stride(0),
@@ -293,13 +294,20 @@ def linear_fp8_partials(
     *,
     out: torch.Tensor | None = None,  # [S, R, N] fp32, unit stride in N
     config: LinearLaunch | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
 ) -> torch.Tensor:
     """Split-K partial products [S, R, N] FP32 (S = linear_fp8_splits(K, config)); the consumer
-    sums them in the order s = 0, 1, …, S−1. Rows ≥ n untouched."""
+    sums them in the order s = 0, 1, …, S−1. Rows ≥ n untouched. quantized = (xq [R, K] E4M3
+    with unit column stride, sx [R, ⌈K/128⌉] fp32) must equal quantize_act(x) on the live rows
+    (a producer that quantized x already, kernels/tails.py moe_tail): no quantization launch."""
     r, k, big_n, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
     n = live_count(n_live, r, x.device)
+    if quantized is not None:
+        xq, sx = quantized
+        _check_out("quantized[0]", xq, (r, k), E4M3, x.device)
+        _check_out("quantized[1]", sx, (r, -(-k // FP8_BLOCK)), torch.float32, x.device)
     out = _partials_buffer(out, s, r, big_n, x.device)
-    _launch_fp8(x, weight, scale_inv, n, out, s, kb, False, cfg)
+    _launch_fp8(x, weight, scale_inv, n, out, s, kb, False, cfg, quantized)
     return out
 
 

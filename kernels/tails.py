@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import bf16_rne, check_tensor, live_count
+from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_groups
 from kernels.readiness import ready_row, wait_ready
 from reference.tails import AttnTailOut, MoeTailOut
 
@@ -234,10 +234,12 @@ def _attn_tail_kernel(
 @triton.jit
 def _moe_tail_kernel(
     part_ptr, h_ptr, w_ptr, xn_ptr, x_ptr, rearm_ptr, polls_ptr, flag_ptr, n_live_ptr,
-    stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_ar,
+    q_ptr, s_ptr,
+    stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_ar, stride_qr, stride_sr,
     eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
-    WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr,
+    WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     row = tl.program_id(0)
     n = tl.load(n_live_ptr)
@@ -257,6 +259,15 @@ def _moe_tail_kernel(
     if WRITE_X:
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
+    if QUANT:  # the next FP8 GEMM's operand: xn read back as [G, 128] groups after a barrier
+        tl.debug_barrier()  # (this program's xn stores are visible to all of its threads)
+        grp = tl.arange(0, GROUPS)
+        col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+        qm = (col < HIDDEN) & live
+        xr = tl.load(xn_ptr + row * stride_xnr + col, mask=qm, other=0.0).to(tl.float32)
+        q, s = quantize_groups(xr)
+        tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
+        tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < HIDDEN) & live)
 
 
 # --- launch configuration (pinned; no autotuning) ----------------------------------------------
@@ -463,8 +474,11 @@ def moe_tail(
     out: MoeTailOut | None = None,  # out.x None: the layer output x is not written
     polls: torch.Tensor | None = None,
     config: TailLaunch | None = None,
+    quantize: bool = False,
 ) -> MoeTailOut:
-    """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched."""
+    """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched.
+    quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next layer's
+    QKV operand, so that its GEMM needs no quantization launch)."""
     check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
     cfg = config or tail_launch(partials.shape[-1])
     npart, rows, hidden, n = _check_common(partials, n_live, fail_flag, max_polls, rearm, polls,
@@ -481,14 +495,23 @@ def moe_tail(
     if out.x is not None:
         _check_rows("out.x", out.x, rows, hidden, (torch.bfloat16,), dev)
     x = out.xn if out.x is None else out.x
+    groups = -(-hidden // 128)
+    if quantize:
+        if out.xq is None:
+            out.xq = torch.empty(rows, hidden, dtype=E4M3, device=dev)
+        if out.sx is None:
+            out.sx = torch.empty(rows, groups, dtype=torch.float32, device=dev)
+        _check_rows("out.xq", out.xq, rows, hidden, (E4M3,), dev)
+        _check_rows("out.sx", out.sx, rows, groups, (torch.float32,), dev)
+    q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     _moe_tail_kernel[(rows,)](
         partials, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
-        out.xn if polls is None else polls, fail_flag, n,
+        out.xn if polls is None else polls, fail_flag, n, q, s,
         partials.stride(0), partials.stride(1), h.stride(0), out.xn.stride(0), x.stride(0),
-        0 if rearm is None else rearm.stride(0),
+        0 if rearm is None else rearm.stride(0), q.stride(0), s.stride(0),
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
-        WRITE_POLLS=polls is not None, WRITE_X=out.x is not None,
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
+        WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
+        GROUPS=_pow2(groups), num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out

@@ -48,6 +48,8 @@ class AttnTailOut:
 class MoeTailOut:
     xn: torch.Tensor  # [R, H] bf16 next layer's normalized input (or the final hidden state)
     x: torch.Tensor | None = None  # [R, H] bf16 layer output (optional)
+    xq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(xn), when the tail quantizes
+    sx: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
 
 
 def n_live_of(n_live, rows: int) -> int:

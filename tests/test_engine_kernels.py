@@ -31,6 +31,7 @@ from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
 from iquestrt.ops import TwinOps
 from iquestrt.weights import from_checkpoint
+from kernels.fp8 import quantize_act
 from qualification.tolerances import check
 from reference.checkpoint import load_checkpoint
 from reference.depth import FixedDepth
@@ -82,8 +83,15 @@ class Lockstep:
                   dt)
         return got
 
-    def linear_fp8_partials(self, x, lin, live):
-        got, n = self.k.linear_fp8_partials(x, lin, live), live.n
+    def linear_fp8_partials(self, x, lin, live, xq=None):
+        if xq is not None:  # a producer's quantization must be quantize_act(x), bit for bit
+            q, s = quantize_act(x, live.t)
+            n = live.n
+            assert torch.equal(xq[0][:n].view(torch.uint8), q[:n].view(torch.uint8)), \
+                "the MoE tail's xq differs from quantize_act(xn)"
+            assert torch.equal(xq[1][:n], s[:n]), "the MoE tail's scales differ from quantize_act"
+            self.quantized = getattr(self, "quantized", 0) + 1
+        got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq), live.n
         total = got[0, :n].clone()
         for s in range(1, got.shape[0]):
             total += got[s, :n]
@@ -226,6 +234,7 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     lock = Lockstep(eng)
     res = eng.generate(req)
     assert lock.calls >= 2 * len(res.rounds)
+    assert getattr(lock, "quantized", 0) > 0, "no QKV GEMM took the MoE tail's quantization"
     print("\nworst max_rel per op (kernels vs twins, same inputs): "
           + ", ".join(f"{op}[{dt}] {v:.2g}" for (op, dt), v in sorted(lock.margin.items())))
     seq = list(PROMPT) + res.tokens
@@ -310,6 +319,19 @@ def test_kernels_checks_are_sensitive(ckpt, monkeypatch):
     monkeypatch.setattr(eng.ops.k, "moe_tail", lambda *a, **kw: tail(*a, **{
         **kw, "ffn_out_scale": 1.0}))
     with pytest.raises(AssertionError, match="outside tolerance"):
+        eng.generate(GenerationRequest(PROMPT, 1, GREEDY, 0))
+    eng = _engine(ckpt, "kernels")  # a tail whose scales are off by 2: the QKV check sees it
+    Lockstep(eng)
+    tail = eng.ops.k.moe_tail
+
+    def doubled(*a, **kw):
+        out = tail(*a, **kw)
+        if out.sx is not None:
+            out.sx.mul_(2.0)
+        return out
+
+    monkeypatch.setattr(eng.ops.k, "moe_tail", doubled)
+    with pytest.raises(AssertionError, match="scales differ"):
         eng.generate(GenerationRequest(PROMPT, 1, GREEDY, 0))
     eng = _engine(ckpt, "kernels")
     object.__setattr__(eng.rcfg, "ring_pad", 0)  # bypasses RuntimeConfig's check on purpose

@@ -79,10 +79,10 @@ class RankOpsMixin:
         return int(self.step[0]) if self.step is not None else 0
 
     # --- overrides ----------------------------------------------------------------------------
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live) -> torch.Tensor:
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
         layer = self.o_layer.get(lin.w.data_ptr())
         if layer is None:
-            return super().linear_fp8_partials(x, lin, live)
+            return super().linear_fp8_partials(x, lin, live, xq=xq)
         buf = self.attn_buf[layer]
         self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers])
         return buf  # [S + P, R, H]: the attention tail sums all of them
@@ -95,13 +95,14 @@ class RankOpsMixin:
         self._moe_into(x, weights, ids, m, live, buf[0])
         return buf[0]  # the model passes f[None]: a view starting at buf's first byte
 
-    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale):
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
+                 quantize=False):
         for buf in self.moe_buf.values():
             if buf.data_ptr() == parts.data_ptr() and parts.shape[0] == 1:
                 parts = buf  # [1 + P, R, H]
                 break
         return super().moe_tail(parts, h, next_norm, live, flag, eps=eps,
-                                ffn_out_scale=ffn_out_scale)
+                                ffn_out_scale=ffn_out_scale, quantize=quantize)
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
                   attn_out_scale, router_w=None, top_k=0):

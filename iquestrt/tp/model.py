@@ -48,11 +48,12 @@ class TPTargetModel(TargetModel):
         x = x if x.dim() == 3 else x[None]
         return all_gather(self.group, x, WHERE, what).reshape(-1, *x.shape[1:])
 
-    def _o_partials(self, layer, xn, pos, live: Live, cache) -> torch.Tensor:
-        """xn [R, H] → every rank's O partials [N·S, R, H] (this rank's heads)."""
+    def _o_partials(self, layer, xn, pos, live: Live, cache, xq=None) -> torch.Tensor:
+        """xn [R, H] (xq: its quantization, or None) → every rank's O partials [N·S, R, H]
+        (this rank's heads)."""
         ops, t, pl = self.ops, self.t, self.plans
         o = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
-                            qkv_view=pl.qkv.gather)  # [R, q·D] this rank's heads
+                            qkv_view=pl.qkv.gather, xq=xq)  # [R, q·D] this rank's heads
         o = pl.o_in.scatter(o)  # [R, Po]
         mine = ops.linear_fp8_partials(o, layer.attn.o, live)  # [S, R, H]
         return self._gather(mine, f"layer {layer.index} O partials")

@@ -18,7 +18,9 @@ import torch
 from kernels.draft_entry import draft_entry
 from kernels.eh_proj import eh_proj
 from kernels.linear import LinearLaunch, linear_bf16_f32
-from tests.kernels.test_draft_entry import CASES, DEV, EPS, NAN, H, R, V, _bases, _inputs
+from tests.kernels.sm90 import fusion_counts
+from tests.kernels.test_draft_entry import CASES, DEV, EPS, NAN, H, R, _bases, _inputs
+from tests.kernels.test_draft_entry import _good_args as entry_good_args
 
 CONFIGS = {  # name → (N, config): S > 1 through partials, S = 1 straight to the output
     "default": (H, None),
@@ -78,17 +80,9 @@ def test_swapped_norm_weights_change_the_result():
 
 
 def _good_args():
-    i32 = dict(dtype=torch.int32, device=DEV)
-    return dict(tokens_src=torch.zeros(8, dtype=torch.int64, device=DEV),
-                tok_base=torch.zeros(1, **i32), tok_max=7,
-                hid_src=torch.zeros(R, H, dtype=torch.bfloat16, device=DEV),
-                hid_base=torch.zeros(1, **i32), pos_base=torch.zeros(1, **i32),
-                n_live=torch.ones(1, **i32),
-                embed=torch.zeros(V, H, dtype=torch.bfloat16, device=DEV),
-                enorm=torch.ones(H, dtype=torch.bfloat16, device=DEV),
-                hnorm=torch.ones(H, dtype=torch.bfloat16, device=DEV), eps=EPS,
-                weight=torch.zeros(H, 2 * H, dtype=torch.bfloat16, device=DEV),
-                pos_out=torch.empty(R, **i32))
+    a = entry_good_args()  # the entry launch's sources; eh_proj writes x instead of eh
+    del a["eh_out"]
+    return a | dict(weight=torch.zeros(H, 2 * H, dtype=torch.bfloat16, device=DEV))
 
 
 BAD = [  # (argument, bad value, words the error must contain)
@@ -135,3 +129,27 @@ def test_compiled_at_the_iquest_rank_shape():
         want = linear_bf16_f32(eh, w, n_live, out_dtype=torch.bfloat16)
         assert torch.equal(pos, want_pos)
         assert torch.equal(got[:live], want[:live]), f"{live} live rows: fused != composed"
+
+
+SM90_EH_PROJ = dict(
+    module="eh_proj", kernel="_eh_proj_kernel",
+    sig=dict(tok_ptr="*i64", tok_base_ptr="*i32", hid_ptr="*bf16", hid_base_ptr="*i64",
+             pos_base_ptr="*i32", n_live_ptr="*i32", embed_ptr="*bf16", enorm_ptr="*bf16",
+             hnorm_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", pos_ptr="*i32", eps="fp32"),
+    const=dict(HIDDEN=3072, BLOCK_H=4096, KB=16, BLOCK_N=64, BLOCK_K=128, BLOCK_R=16,
+               OUT_BF16=False, INTERPRET=False, TOK_PTR=True, HID_PTR=True, POS_PTR=True),
+    patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt",
+              r"mma\.sync|wgmma"))
+
+
+def test_eh_proj_compiles_for_sm90_with_the_entry_rounding():
+    """The IQuest rank launch (48 tiles × 3 splits of 16 blocks) builds for sm_90 as launched
+    (enable_fp_fusion=False): the row norms with IEEE div.rn / sqrt.rn, no approximate sqrt, no
+    FMA contraction, and the dot on tensor cores; with fusion on FMAs appear (the count can
+    fail)."""
+    off, on = fusion_counts(**SM90_EH_PROJ)
+    got = {"False": off, "True": on}
+    assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
+    assert off["div\\.rn\\.f32"] >= 4 and off["sqrt\\.rn\\.f32"] >= 2, got
+    assert off["sqrt\\.approx"] == off["rsqrt"] == 0, got
+    assert off["mma\\.sync|wgmma"] > 0, got

@@ -237,6 +237,30 @@ def test_split_k_deterministic_and_consistent(device):
         print(f"\n  split {split} vs 1: {m}")
 
 
+def test_prequantized_operand_gives_the_same_bits(device):
+    """linear_fp8_partials(quantized=quantize_act(x)) == linear_fp8_partials(x) bit for bit (a
+    producer quantized x: kernels/tails.py moe_tail); wrong scales change the result; a
+    quantized pair of the wrong shape or dtype is named."""
+    from kernels.fp8 import quantize_act
+
+    gen = torch.Generator().manual_seed(23)
+    x = with_garbage(random_x(8, 640, gen), 6, torch.bfloat16).to(device)
+    w, s = random_w(99, 640, gen)
+    w, s, n = w.to(device), s.to(device), torch.tensor([6], dtype=torch.int32, device=device)
+    cfg = LinearLaunch(32, 3)
+    want = linear_fp8_partials(x, w, s, n, config=cfg)[:, :6]
+    xq, sx = quantize_act(x, n)
+    got = linear_fp8_partials(x, w, s, n, config=cfg, quantized=(xq, sx))[:, :6]
+    assert torch.equal(bits(got), bits(want))
+    off = linear_fp8_partials(x, w, s, n, config=cfg, quantized=(xq, sx * 2))[:, :6]
+    assert not torch.equal(bits(off), bits(want))
+    for bad, words in (((xq[:, :128], sx), "quantized\\[0\\]"),
+                       ((xq, sx[:, :2]), "quantized\\[1\\]"),
+                       ((xq.view(torch.uint8), sx), "quantized\\[0\\]")):
+        with pytest.raises(ValueError, match=words):
+            linear_fp8_partials(x, w, s, n, config=cfg, quantized=bad)
+
+
 def test_padded_width_is_bit_identical(device):
     """5 live rows in an 8-row buffer give exactly the bits of a 5-row buffer."""
     case = Case("pad", 8, 5, 200, 99, LinearLaunch(32, 2))

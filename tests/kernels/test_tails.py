@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kernels.fp8 import E4M3
 from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail, tail_launch
 from qualification.tolerances import check, tolerance
 from reference import ops
@@ -207,8 +208,19 @@ def run_case(case: Case, seed: int, device) -> dict[str, object]:
                                device=device),
                     torch.full((case.rows, case.hidden), POISON, dtype=torch.bfloat16,
                                device=device))
+    g = -(-case.hidden // 128)
+    mo.xq = torch.full((case.rows, case.hidden), 0x55, dtype=torch.uint8,
+                       device=device).view(E4M3)
+    mo.sx = torch.full((case.rows, g), POISON, device=device)
     moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
-             ffn_out_scale=FFN_SCALE, max_polls=4, out=mo, polls=polls)
+             ffn_out_scale=FFN_SCALE, max_polls=4, out=mo, polls=polls, quantize=True)
+    # the next QKV GEMM's operand: quantize_act of the tail's own xn', bit for bit
+    q_want, s_want = ops.quantize_act(mo.xn.cpu()[:n])
+    q_bytes = mo.xq.cpu().view(torch.uint8)
+    assert torch.equal(q_bytes[:n], q_want.view(torch.uint8)), "xq != quantize_act(xn')"
+    assert torch.equal(mo.sx.cpu()[:n], s_want), "sx != quantize_act(xn') scales"
+    assert (q_bytes[n:] == 0x55).all() and (mo.sx.cpu()[n:] == POISON).all(), \
+        "xq / sx padding rows were written"
     mt = moe_tail_ref(d["partials"], d["h"], d["next_norm"], d["n_live"], eps=EPS,
                       ffn_out_scale=FFN_SCALE)
     assert flag.item() == 0
@@ -623,9 +635,12 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll},
             cfg.num_warps)
-    stats["moe"] = build(T._moe_tail_kernel, common, {
-        "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True, "WRITE_POLLS": False,
-        "WRITE_X": True}, cfg.num_warps)
+    for quant in (False, True):
+        stats["moe" + ("_quant" if quant else "")] = build(
+            T._moe_tail_kernel, common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
+                "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
+                "WRITE_POLLS": False, "WRITE_X": True, "QUANT": quant, "GROUPS": 32},
+            cfg.num_warps)
     return stats
 
 
@@ -649,6 +664,9 @@ def test_compiled_kernels_build_for_sm90():
     assert (stats["attn_routerTrue_unrolled"]["ld.volatile.global"]
             > stats["attn_routerTrue"]["ld.volatile.global"])
     assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
+    # the quantizing MoE tail reads xn' back only after a barrier (and divides more: the scales)
+    assert stats["moe_quant"]["bar.sync"] > stats["moe"]["bar.sync"]
+    assert stats["moe_quant"]["div.rn.f32"] > stats["moe"]["div.rn.f32"]
 
 
 if __name__ == "__main__":
