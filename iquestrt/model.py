@@ -5,7 +5,9 @@ Per layer: linear_fp8 QKV (split-K partials) → qk_rope → write_kv → attent
 (partials) → attention tail → FFN → the next layer's normalized input.
   * layers ≥ 1: attn_tail (residual base xn, attn_out_norm, feed_forward_norm and the folded FP32
     router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
-    next layer's attention_norm — or the final norm after the last layer).
+    next layer's attention_norm — or the final norm after the last layer). Each tail also
+    quantizes its output for the FP8 GEMM that reads it (f_in for gate/up, xn for the next
+    QKV): quantize_act's values, without its own launch.
   * layer 0 (sandwich norms, raw residual): attn_tail with base x and scale 1.0 computes exactly
     h = bf16(x + attn_out_norm(a)) and f_in; the dense SwiGLU uses linear_fp8 for gate/up/down,
     silu_mul_rows for SiLU·up and norm_rows for x = bf16(h + ffn_out_norm(f)) with the next
@@ -106,10 +108,11 @@ class TargetModel:
                 continue
             tail = ops.attn_tail(o_parts, xn, aw.attn_out_norm, aw.ffn_norm, live,
                                  flags[i : i + 1], eps=eps, attn_out_scale=t.attn_out_scale,
-                                 router_w=layer.moe.router, top_k=layer.moe.top_k)
+                                 router_w=layer.moe.router, top_k=layer.moe.top_k, quantize=True)
             if self.route_trace is not None:  # host-known rows only, like layer_trace
                 self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
-            f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32)
+            f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32,
+                        xq=(tail.fq, tail.sf))
             out = ops.moe_tail(self._moe_partials(i, f), tail.h, next_norm, live,
                                flags[i : i + 1], eps=eps, ffn_out_scale=t.ffn_out_scale,
                                quantize=i != last)

@@ -169,7 +169,7 @@ class TwinOps:
         return kv_layout.attention_ref(q, cache, positions, live.n, sink_k, scale, out=out)
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
-                  attn_out_scale, router_w=None, top_k=0) -> AttnTailOut:
+                  attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:
         outs = [t_tails.attn_tail_ref(parts[:, r : r + 1], xn[r : r + 1], attn_out_norm, ffn_norm,
                                       1, flag, eps=eps, attn_out_scale=attn_out_scale,
                                       router_w=router_w, top_k=top_k)
@@ -180,6 +180,8 @@ class TwinOps:
         if router_w is not None:
             res.ids = _padded(torch.cat([o.ids for o in outs]), rows, self.dev, -1)
             res.weights = _padded(torch.cat([o.weights for o in outs]), rows, self.dev)
+        if quantize:
+            res.fq, res.sf = self._quantized(torch.cat([o.f_in for o in outs]), rows)
         return res
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
@@ -188,13 +190,19 @@ class TwinOps:
             parts[:, r : r + 1], h[r : r + 1], next_norm, 1, flag, eps=eps,
             ffn_out_scale=ffn_out_scale).xn)
         out = MoeTailOut(_padded(xn, parts.shape[1], self.dev))
-        if quantize:  # live rows; padding rows NaN (the kernel leaves them unwritten)
-            q, s = ref_ops.quantize_act(xn.float())
-            out.xq = _padded(q.float(), parts.shape[1], self.dev).to(q.dtype)
-            out.sx = _padded(s, parts.shape[1], self.dev)
+        if quantize:
+            out.xq, out.sx = self._quantized(xn, parts.shape[1])
         return out
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+    def _quantized(self, x, rows: int):
+        """reference quantize_act of the live rows x [n, H], padded to R rows with NaN (rows a
+        quantizing kernel leaves unwritten)."""
+        q, s = ref_ops.quantize_act(x.float())
+        return _padded(q.float(), rows, self.dev).to(q.dtype), _padded(s, rows, self.dev)
+
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+            ) -> torch.Tensor:
+        """xq (a producer's quantization of x) is not needed: the twin quantizes x itself."""
         y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
             x[r : r + 1], weights[r : r + 1], ids[r : r + 1], m.fc, m.fc_s, m.proj, m.proj_s,
             out_dtype=out_dtype, dequant=self.dq))
@@ -322,7 +330,7 @@ class KernelOps:
         return k_attention.attention(q, cache, positions, live.t, sink_k, scale)
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
-                  attn_out_scale, router_w=None, top_k=0) -> AttnTailOut:
+                  attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:
         scratch = None
         if router_w is not None:
             key = tuple(router_w.shape)
@@ -331,7 +339,8 @@ class KernelOps:
             scratch = self._scratch[key]
         return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
                                  attn_out_scale=attn_out_scale, max_polls=self.max_polls,
-                                 router_w=router_w, top_k=top_k, scratch=scratch)
+                                 router_w=router_w, top_k=top_k, scratch=scratch,
+                                 quantize=quantize)
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False) -> MoeTailOut:
@@ -339,9 +348,10 @@ class KernelOps:
                                 ffn_out_scale=ffn_out_scale, max_polls=self.max_polls,
                                 quantize=quantize)
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+            ) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
-                             out_dtype=out_dtype)
+                             out_dtype=out_dtype, quantized=xq)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)

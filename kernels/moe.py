@@ -242,8 +242,11 @@ def moe_gate_up_fp8(
     *,
     out: torch.Tensor | None = None,  # [R·K, I] fp32, unit column stride
     config: MoeLaunch | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
 ) -> torch.Tensor:
-    """Stage 1: SiLU(gate)·up per slot, FP32 [R·K, I]; slots of rows ≥ n untouched."""
+    """Stage 1: SiLU(gate)·up per slot, FP32 [R·K, I]; slots of rows ≥ n untouched. quantized =
+    (xq [R, H] E4M3, xs [R, ⌈H/128⌉] fp32), unit column strides, equal to quantize_act(x) on the
+    live rows (kernels/tails.py attn_tail made it): no quantization launch."""
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     r, hidden = x.shape
     _check_rows(r)
@@ -260,7 +263,15 @@ def moe_gate_up_fp8(
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     cfg = config or moe_launch(hidden, inter)
-    xq, xs = quantize_act(x, n)
+    if quantized is None:
+        xq, xs = quantize_act(x, n)
+    else:
+        xq, xs = quantized
+        for name, t, shape, dt in (("quantized[0]", xq, (r, hidden), E4M3),
+                                   ("quantized[1]", xs, (r, -(-hidden // 128)), torch.float32)):
+            check_tensor(name, t, shape=shape, dtypes=(dt,), device=dev)
+            if t.stride(1) != 1:
+                raise ValueError(f"{name}: expected unit column stride, got {t.stride()}")
     grid = (r * k, triton.cdiv(inter, cfg.gate_up_block_n))
     _moe_gate_up_kernel[grid](
         xq, xs, ids, n, fc, fc_scale_inv, out, r, hidden, inter,
@@ -338,6 +349,7 @@ def moe_fp8(
     out: torch.Tensor | None = None,  # [R, H] out_dtype
     out_dtype: torch.dtype = torch.bfloat16,
     config: MoeLaunch | None = None,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # see moe_gate_up_fp8
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
 
@@ -349,6 +361,6 @@ def moe_fp8(
     if proj.dim() == 3 and proj.shape[1] != x.shape[1]:
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
     n = live_count(n_live, x.shape[0], x.device)
-    a = moe_gate_up_fp8(x, ids, fc, fc_scale_inv, n, config=config)
+    a = moe_gate_up_fp8(x, ids, fc, fc_scale_inv, n, config=config, quantized=quantized)
     return moe_down_fp8(a, weights, ids, proj, proj_scale_inv, n, out=out, out_dtype=out_dtype,
                         config=config)

@@ -63,6 +63,21 @@ def _rms(x, w, eps, HIDDEN: tl.constexpr):
 
 
 @triton.jit
+def _quantize_row(src_ptr, q_ptr, s_ptr, row, live, stride_src, stride_qr, stride_sr,
+                  HIDDEN: tl.constexpr, GROUPS: tl.constexpr):
+    """q, s = quantize_act of row `row` of src (bf16, just stored by this program), read back
+    as [G, 128] groups after a barrier so that every thread sees the other threads' stores."""
+    tl.debug_barrier()
+    grp = tl.arange(0, GROUPS)
+    col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+    qm = (col < HIDDEN) & live
+    x = tl.load(src_ptr + row * stride_src + col, mask=qm, other=0.0).to(tl.float32)
+    q, s = quantize_groups(x)
+    tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
+    tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < HIDDEN) & live)
+
+
+@triton.jit
 def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                   stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                   HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
@@ -109,10 +124,12 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
 @triton.jit
 def _attn_row_program(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
-    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
+    q_ptr, s_ptr,
+    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar, stride_qr, stride_sr,
     row, n, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
-    WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr,
+    WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
+    GROUPS: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
@@ -136,6 +153,9 @@ def _attn_row_program(
         # un-rounded FP32 router input; +inf on failure so router programs do not wait for it
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
+    if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
+        _quantize_row(f_ptr, q_ptr, s_ptr, row, live, stride_fr, stride_qr, stride_sr,
+                      HIDDEN, GROUPS)
 
 
 @triton.jit
@@ -205,24 +225,24 @@ def _router_program(
 @triton.jit
 def _attn_tail_kernel(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr,
-    n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr,
+    n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr,
     stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
-    stride_ir, stride_ik, stride_wr, stride_wk,
+    stride_ir, stride_ik, stride_wr, stride_wk, stride_qr, stride_sr,
     ROWS, eps, scale, max_polls, router_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, EXPERTS: tl.constexpr,
     BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-    UNROLL_K: tl.constexpr,
+    UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = tl.load(n_live_ptr)
     if pid < ROWS:
         _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
-                          polls_ptr, flag_ptr, rin_ptr,
+                          polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr,
                           stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
-                          pid, n, eps, scale, max_polls,
-                          HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER)
+                          stride_qr, stride_sr, pid, n, eps, scale, max_polls,
+                          HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
@@ -259,15 +279,9 @@ def _moe_tail_kernel(
     if WRITE_X:
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
-    if QUANT:  # the next FP8 GEMM's operand: xn read back as [G, 128] groups after a barrier
-        tl.debug_barrier()  # (this program's xn stores are visible to all of its threads)
-        grp = tl.arange(0, GROUPS)
-        col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-        qm = (col < HIDDEN) & live
-        xr = tl.load(xn_ptr + row * stride_xnr + col, mask=qm, other=0.0).to(tl.float32)
-        q, s = quantize_groups(xr)
-        tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
-        tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < HIDDEN) & live)
+    if QUANT:  # the next layer's QKV operand
+        _quantize_row(xn_ptr, q_ptr, s_ptr, row, live, stride_xnr, stride_qr, stride_sr,
+                      HIDDEN, GROUPS)
 
 
 # --- launch configuration (pinned; no autotuning) ----------------------------------------------
@@ -327,6 +341,18 @@ def _check_rows(name: str, t, rows: int, hidden: int, dtypes, device) -> None:
         raise ValueError(f"{name}: expected unit column stride, got strides {t.stride()}")
 
 
+def _quant_outputs(q, s, quantize: bool, rows: int, hidden: int, dev, what: str):
+    """(q [R, H] E4M3, s [R, ⌈H/128⌉] fp32), allocated when None; None, None without quantize."""
+    if not quantize:
+        return None, None
+    groups = -(-hidden // 128)
+    q = torch.empty(rows, hidden, dtype=E4M3, device=dev) if q is None else q
+    s = torch.empty(rows, groups, dtype=torch.float32, device=dev) if s is None else s
+    _check_rows(f"out.{what}q", q, rows, hidden, (E4M3,), dev)
+    _check_rows(f"out.s{what}", s, rows, groups, (torch.float32,), dev)
+    return q, s
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """[first, last) byte addresses a strided tensor can touch."""
     last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
@@ -378,6 +404,7 @@ def attn_tail(
     polls: torch.Tensor | None = None,  # [R] int32: polls each row program made
     config: TailLaunch | None = None,
     router_max_polls: int = 1 << 20,
+    quantize: bool = False,
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
     reference.tails.attn_tail_ref, padding rows untouched.
@@ -387,7 +414,9 @@ def attn_tail(
     programs, which run concurrently on a GPU and need a few µs: with a bound as small as
     max_polls may be, the router would time out while the rows are still computing (seen on
     the H200 with max_polls = 4). It is still finite: a row program that never finishes ends
-    in the failure flag, not a hang."""
+    in the failure flag, not a hang.
+    quantize: also out.fq / out.sf = kernels.fp8.quantize_act(f_in) bit for bit (the experts'
+    gate/up operand, so that moe_fp8 needs no quantization launch)."""
     check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,),
@@ -440,22 +469,25 @@ def attn_tail(
         check_tensor("out.weights", out.weights, shape=(rows, top_k), dtypes=(torch.float32,),
                      device=dev)
     dummy = out.h
+    out.fq, out.sf = _quant_outputs(out.fq, out.sf, quantize, rows, hidden, dev, "f")
+    q, s = (out.fq, out.sf) if quantize else (dummy, dummy)
     ids, wts = (out.ids, out.weights) if router else (dummy, dummy)
     sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
     _attn_tail_kernel[(rows + n_route,)](
         partials, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
         dummy if rearm is None else rearm, dummy if polls is None else polls, fail_flag, n,
-        sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts,
+        sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts, q, s,
         partials.stride(0), partials.stride(1), xn.stride(0), out.h.stride(0),
         out.f_in.stride(0), 0 if rearm is None else rearm.stride(0),
-        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1),
+        ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
         rows, eps, attn_out_scale, max_polls, router_max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        UNROLL_K=cfg.unroll_k, num_warps=cfg.num_warps, enable_fp_fusion=False,
+        UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_pow2(-(-hidden // 128)),
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out
 
@@ -495,14 +527,7 @@ def moe_tail(
     if out.x is not None:
         _check_rows("out.x", out.x, rows, hidden, (torch.bfloat16,), dev)
     x = out.xn if out.x is None else out.x
-    groups = -(-hidden // 128)
-    if quantize:
-        if out.xq is None:
-            out.xq = torch.empty(rows, hidden, dtype=E4M3, device=dev)
-        if out.sx is None:
-            out.sx = torch.empty(rows, groups, dtype=torch.float32, device=dev)
-        _check_rows("out.xq", out.xq, rows, hidden, (E4M3,), dev)
-        _check_rows("out.sx", out.sx, rows, groups, (torch.float32,), dev)
+    out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     _moe_tail_kernel[(rows,)](
         partials, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
@@ -512,6 +537,6 @@ def moe_tail(
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
-        GROUPS=_pow2(groups), num_warps=cfg.num_warps, enable_fp_fusion=False,
+        GROUPS=_pow2(-(-hidden // 128)), num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out

@@ -27,9 +27,10 @@ def router_from_bf16_activation():
     real = TwinOps.attn_tail
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live, flag, *, eps, attn_out_scale,
-                  router_w=None, top_k=0):
+                  router_w=None, top_k=0, quantize=False):
         out = real(self, parts, xn, attn_out_norm, ffn_norm, live, flag, eps=eps,
-                   attn_out_scale=attn_out_scale, router_w=router_w, top_k=top_k)
+                   attn_out_scale=attn_out_scale, router_w=router_w, top_k=top_k,
+                   quantize=quantize)
         if router_w is not None:
             w, ids = ops.route(out.f_in[: live.n].float(), router_w, top_k)  # [n, K]
             out.ids[: live.n] = ids.to(out.ids.dtype)

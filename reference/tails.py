@@ -42,6 +42,8 @@ class AttnTailOut:
     f_in: torch.Tensor  # [R, H] bf16 expert input
     ids: torch.Tensor | None = None  # [R, K] int32, (probability desc, index asc); −1 on failure
     weights: torch.Tensor | None = None  # [R, K] fp32, renormalized over the top K
+    fq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(f_in), when the tail quantizes
+    sf: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
 
 
 @dataclass

@@ -67,6 +67,7 @@ class Lockstep:
     def __init__(self, eng: Engine):
         self.k, self.t = eng.ops, TwinOps(eng.w.device, 1)
         self.served, self.calls, self.margin = [], 0, {}
+        self.quantized: dict[str, int] = {}  # producer tail → GEMMs that took its quantization
         eng.ops = eng.target.ops = eng.draft.ops = self
 
     def _cmp(self, got, want, op, dtype):
@@ -83,14 +84,19 @@ class Lockstep:
                   dt)
         return got
 
+    def _producer_quantization(self, x, xq, live, who: str) -> None:
+        """A tail's quantization of its output must be quantize_act(x), bit for bit."""
+        if xq is None:
+            return
+        q, s = quantize_act(x, live.t)
+        n = live.n
+        assert torch.equal(xq[0][:n].view(torch.uint8), q[:n].view(torch.uint8)), \
+            f"the {who} tail's quantized values differ from quantize_act"
+        assert torch.equal(xq[1][:n], s[:n]), f"the {who} tail's scales differ from quantize_act"
+        self.quantized[who] = self.quantized.get(who, 0) + 1
+
     def linear_fp8_partials(self, x, lin, live, xq=None):
-        if xq is not None:  # a producer's quantization must be quantize_act(x), bit for bit
-            q, s = quantize_act(x, live.t)
-            n = live.n
-            assert torch.equal(xq[0][:n].view(torch.uint8), q[:n].view(torch.uint8)), \
-                "the MoE tail's xq differs from quantize_act(xn)"
-            assert torch.equal(xq[1][:n], s[:n]), "the MoE tail's scales differ from quantize_act"
-            self.quantized = getattr(self, "quantized", 0) + 1
+        self._producer_quantization(x, xq, live, "MoE")
         got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq), live.n
         total = got[0, :n].clone()
         for s in range(1, got.shape[0]):
@@ -190,8 +196,9 @@ class Lockstep:
         self._cmp(got[0][: live.n], want[0][: live.n], "kernels.rows.route", "fp32")
         return got
 
-    def moe(self, x, weights, ids, m, live, out_dtype):
-        got = self.k.moe(x, weights, ids, m, live, out_dtype)
+    def moe(self, x, weights, ids, m, live, out_dtype, xq=None):
+        self._producer_quantization(x, xq, live, "attention")
+        got = self.k.moe(x, weights, ids, m, live, out_dtype, xq=xq)
         want = self.t.moe(x, weights, ids, m, live, out_dtype)
         self._cmp(got[: live.n], want[: live.n], "kernels.moe.e2e", "bf16")
         return got
@@ -234,7 +241,8 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     lock = Lockstep(eng)
     res = eng.generate(req)
     assert lock.calls >= 2 * len(res.rounds)
-    assert getattr(lock, "quantized", 0) > 0, "no QKV GEMM took the MoE tail's quantization"
+    assert set(lock.quantized) == {"MoE", "attention"}, \
+        f"GEMMs taking a tail's quantization: {lock.quantized}"
     print("\nworst max_rel per op (kernels vs twins, same inputs): "
           + ", ".join(f"{op}[{dt}] {v:.2g}" for (op, dt), v in sorted(lock.margin.items())))
     seq = list(PROMPT) + res.tokens

@@ -87,12 +87,13 @@ class RankOpsMixin:
         self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers])
         return buf  # [S + P, R, H]: the attention tail sums all of them
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype) -> torch.Tensor:
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+            ) -> torch.Tensor:
         layer = self.moe_layer.get(m.fc.data_ptr())
         if layer is None:
-            return super().moe(x, weights, ids, m, live, out_dtype)
+            return super().moe(x, weights, ids, m, live, out_dtype, xq=xq)
         buf = self.moe_buf[layer]
-        self._moe_into(x, weights, ids, m, live, buf[0])
+        self._moe_into(x, weights, ids, m, live, buf[0], xq)
         return buf[0]  # the model passes f[None]: a view starting at buf's first byte
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
@@ -105,9 +106,10 @@ class RankOpsMixin:
                                 ffn_out_scale=ffn_out_scale, quantize=quantize)
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
-                  attn_out_scale, router_w=None, top_k=0):
+                  attn_out_scale, router_w=None, top_k=0, quantize=False):
         out = super().attn_tail(parts, xn, attn_out_norm, ffn_norm, live, flag, eps=eps,
-                                attn_out_scale=attn_out_scale, router_w=router_w, top_k=top_k)
+                                attn_out_scale=attn_out_scale, router_w=router_w, top_k=top_k,
+                                quantize=quantize)
         layer = None if router_w is None else self.router_layer.get(router_w.data_ptr())
         if layer is None or self.table is None:
             return out
@@ -128,9 +130,10 @@ class RankKernelOps(RankOpsMixin, KernelOps):
     def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
         k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out)
 
-    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor) -> None:
+    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
+                  xq=None) -> None:
         k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t, out=out,
-                      out_dtype=torch.float32)
+                      out_dtype=torch.float32, quantized=xq)
 
 
 class RankTwinOps(RankOpsMixin, TwinOps):
@@ -142,7 +145,8 @@ class RankTwinOps(RankOpsMixin, TwinOps):
     def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
         out.copy_(TwinOps.linear_fp8_partials(self, x, lin, live))
 
-    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor) -> None:
+    def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
+                  xq=None) -> None:
         out.copy_(TwinOps.moe(self, x, weights, ids, m, live, torch.float32))
 
 

@@ -242,6 +242,26 @@ def test_padded_width_is_bit_identical(device):
     assert torch.equal(padded.cpu().view(torch.int16), exact.cpu().view(torch.int16))
 
 
+def test_prequantized_operand_gives_the_same_bits(device):
+    """moe_fp8(quantized=quantize_act(x)) == moe_fp8(x) bit for bit (the attention tail made
+    the quantization); wrong scales change the result; a bad pair is named."""
+    from kernels.fp8 import quantize_act
+
+    case = Case("tiny-5of8", 128, 16, 4, 64, 8, 5)
+    d = to_dev(make_inputs(case, 9), device)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args)[:5].cpu().view(torch.int16)
+    xq, xs = quantize_act(d.x, d.n)
+    got = moe_fp8(*args, quantized=(xq, xs))[:5].cpu().view(torch.int16)
+    assert torch.equal(got, want)
+    off = moe_fp8(*args, quantized=(xq, xs * 2))[:5].cpu().view(torch.int16)
+    assert not torch.equal(off, want)
+    for bad, words in (((xq[:, :64], xs), r"quantized\[0\]"), ((xq, xs.double()),
+                                                                r"quantized\[1\]")):
+        with pytest.raises(ValueError, match=words):
+            moe_fp8(*args, quantized=bad)
+
+
 def weight_reads(monkeypatch, run) -> np.ndarray:
     """Addresses of every element the interpreter loads (unmasked lanes) while run() executes."""
     from triton.runtime import interpreter

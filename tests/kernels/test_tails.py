@@ -120,10 +120,26 @@ def poisoned_attn_out(case: Case, device) -> AttnTailOut:
     r, h, k = case.rows, case.hidden, case.top_k
     full = lambda *s, dt=torch.bfloat16: torch.full(s, POISON, dtype=dt, device=device)  # noqa: E731
     out = AttnTailOut(full(r, h), full(r, h))
+    out.fq, out.sf = poisoned_quant(r, h, device)
     if case.experts:
         out.ids = torch.full((r, k), -7, dtype=torch.int32, device=device)
         out.weights = full(r, k, dt=torch.float32)
     return out
+
+
+def poisoned_quant(r: int, h: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((r, h), 0x55, dtype=torch.uint8, device=device).view(E4M3),
+            torch.full((r, -(-h // 128)), POISON, device=device))
+
+
+def assert_quantized(q: torch.Tensor, s: torch.Tensor, x: torch.Tensor, n: int, what: str):
+    """q, s == reference quantize_act(x) on the live rows, bit for bit; padding rows poisoned."""
+    q_want, s_want = ops.quantize_act(x.cpu()[:n])
+    q_bytes = q.cpu().view(torch.uint8)
+    assert torch.equal(q_bytes[:n], q_want.view(torch.uint8)), f"{what}: values != quantize_act"
+    assert torch.equal(s.cpu()[:n], s_want), f"{what}: scales != quantize_act"
+    assert (q_bytes[n:] == 0x55).all() and (s.cpu()[n:] == POISON).all(), \
+        f"{what}: padding rows were written"
 
 
 def assert_written(t: torch.Tensor, n: int, what: str, poison=POISON) -> None:
@@ -143,7 +159,7 @@ def run_attn(case: Case, d: dict, device, config: TailLaunch | None = None):
         d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"], flag,
         eps=EPS, attn_out_scale=case.scale, max_polls=4, rearm=rearm,
         router_w=d.get("router_w"), top_k=case.top_k, scratch=scratch,
-        out=poisoned_attn_out(case, device), polls=polls, config=config)
+        out=poisoned_attn_out(case, device), polls=polls, config=config, quantize=True)
     return out, scratch, flag, polls, rearm
 
 
@@ -190,6 +206,7 @@ def run_case(case: Case, seed: int, device) -> dict[str, object]:
     assert torch.isnan(rearm.cpu().float()).all(), "re-arm must cover all R rows"
     assert_written(out.h, n, "h")
     assert_written(out.f_in, n, "f_in")
+    assert_quantized(out.fq, out.sf, out.f_in, n, "f_in's quantization")
     rep: dict[str, object] = {
         "h": check(out.h.cpu()[:n], twin.h, "kernels.residual_norm.attn_tail", "bf16"),
         "f_in": check(out.f_in.cpu()[:n], twin.f_in, "kernels.residual_norm.attn_tail", "bf16"),
@@ -208,19 +225,10 @@ def run_case(case: Case, seed: int, device) -> dict[str, object]:
                                device=device),
                     torch.full((case.rows, case.hidden), POISON, dtype=torch.bfloat16,
                                device=device))
-    g = -(-case.hidden // 128)
-    mo.xq = torch.full((case.rows, case.hidden), 0x55, dtype=torch.uint8,
-                       device=device).view(E4M3)
-    mo.sx = torch.full((case.rows, g), POISON, device=device)
+    mo.xq, mo.sx = poisoned_quant(case.rows, case.hidden, device)
     moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
              ffn_out_scale=FFN_SCALE, max_polls=4, out=mo, polls=polls, quantize=True)
-    # the next QKV GEMM's operand: quantize_act of the tail's own xn', bit for bit
-    q_want, s_want = ops.quantize_act(mo.xn.cpu()[:n])
-    q_bytes = mo.xq.cpu().view(torch.uint8)
-    assert torch.equal(q_bytes[:n], q_want.view(torch.uint8)), "xq != quantize_act(xn')"
-    assert torch.equal(mo.sx.cpu()[:n], s_want), "sx != quantize_act(xn') scales"
-    assert (q_bytes[n:] == 0x55).all() and (mo.sx.cpu()[n:] == POISON).all(), \
-        "xq / sx padding rows were written"
+    assert_quantized(mo.xq, mo.sx, mo.xn, n, "xn''s quantization")
     mt = moe_tail_ref(d["partials"], d["h"], d["next_norm"], d["n_live"], eps=EPS,
                       ffn_out_scale=FFN_SCALE)
     assert flag.item() == 0
@@ -629,11 +637,13 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     for router, unroll in ((True, False), (True, True), (False, False)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")] = build(
-            T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts}, {
+            T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
+                                           "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": router, "ROUTER": router, "EXPERTS": 256, "BLOCK_EALL": 256,
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
-                "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll},
+                "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
+                "QUANT": router, "GROUPS": 32},
             cfg.num_warps)
     for quant in (False, True):
         stats["moe" + ("_quant" if quant else "")] = build(
