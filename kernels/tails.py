@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_groups
-from kernels.readiness import ready_row, wait_ready
+from kernels.readiness import ready_row
+from kernels.tail_router import RouterScratch, _router_program
 from reference.tails import AttnTailOut, MoeTailOut
 
 MAX_PARTIALS = 16
@@ -78,50 +79,6 @@ def _quantize_row(src_ptr, q_ptr, s_ptr, row, live, stride_src, stride_qr, strid
 
 
 @triton.jit
-def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
-                  stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                  HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route."""
-    ea = tl.arange(0, BLOCK_EALL)
-    eam = ea < EXPERTS
-    lm = rl[:, None] & eam[None, :]
-    lg = tl.load(logit_ptr + rows[:, None] * EXPERTS + ea[None, :], mask=lm,
-                 other=float("-inf"), volatile=True)  # [RR, EALL]
-    finite = (lg == lg) & (tl.abs(lg) < float("inf"))
-    valid = tl.min((finite | ~eam[None, :]).to(tl.int32), axis=1) == 1  # [RR]
-    m = tl.where(rl, tl.max(lg, axis=1), 0.0)  # dead rows: no -inf - -inf
-    p = tl.exp(lg - m[:, None])
-    s = tl.where(rl, tl.sum(p, axis=1), 1.0)
-    p = tl.div_rn(p, tl.broadcast_to(s[:, None], p.shape))
-    p = tl.where(eam[None, :], p, -1.0)
-    kc = tl.arange(0, BLOCK_TOPK)
-    top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
-    top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, axis=1)
-        idx = tl.min(tl.where(p == best[:, None], ea[None, :], BLOCK_EALL), axis=1)
-        top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
-        top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
-        p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
-    wsum = tl.where(rl, tl.sum(top_p, axis=1), 1.0)
-    w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))
-    w = tl.where(valid[:, None], w, float("nan"))
-    ids = tl.where(valid[:, None], top_i, -1)
-    km = rl[:, None] & (kc[None, :] < TOP_K)
-    tl.store(ids_ptr + rows[:, None] * stride_ir + kc[None, :] * stride_ik, ids, mask=km)
-    tl.store(wts_ptr + rows[:, None] * stride_wr + kc[None, :] * stride_wk, w, mask=km)
-    tl.store(flag_ptr, 1, mask=tl.sum((rl & ~valid).to(tl.int32), axis=0) > 0)
-    # restore the scratch invariant: r_in NaN (rows written this launch), counter 0
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        nan = tl.full([rows.shape[0], BLOCK_K], float("nan"), tl.float32)
-        tl.store(rin_ptr + rows[:, None] * HIDDEN + kk[None, :], nan,
-                 mask=rl[:, None] & (kk < HIDDEN)[None, :])
-    tl.store(cnt_ptr, 0)
-
-
-@triton.jit
 def _attn_row_program(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
     q_ptr, s_ptr,
@@ -156,70 +113,6 @@ def _attn_row_program(
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
         _quantize_row(f_ptr, q_ptr, s_ptr, row, live, stride_fr, stride_qr, stride_sr,
                       HIDDEN, GROUPS)
-
-
-@triton.jit
-def _router_program(
-    rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
-    stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls,
-    HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
-    BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr,
-):
-    """Experts [j·BLOCK_E, (j+1)·BLOCK_E) for all live rows; the last one to finish routes.
-    UNROLL_K: poll the whole router input at once instead of chunk by chunk (a chunk-by-chunk
-    wait is a chain of dependent volatile loads and reductions: measured 47–49 µs per tail on
-    the H200 at any row count, 24 chunks)."""
-    rows = tl.arange(0, ROUTE_ROWS)
-    rl = rows < n
-    e = j * BLOCK_E + tl.arange(0, BLOCK_E)
-    em = e < EXPERTS
-    acc = tl.zeros([ROUTE_ROWS, BLOCK_E], tl.float32)
-    if UNROLL_K:
-        # one poll reads every chunk (unrolled, no reduction inside: the loads can all be in
-        # flight together); products accumulate per lane, reduced once at the end (another
-        # summation order than the chunked path: the router-logits tolerance row covers both);
-        # a poll that saw a NaN starts over
-        ok = tl.full([], 0, tl.int32)
-        polls = tl.full([], 0, tl.int32)
-        acc3 = tl.zeros([ROUTE_ROWS, BLOCK_E, BLOCK_K], tl.float32)
-        while (ok == 0) & (polls < max_polls):
-            acc3 = tl.zeros([ROUTE_ROWS, BLOCK_E, BLOCK_K], tl.float32)
-            bad = tl.zeros([ROUTE_ROWS, BLOCK_K], tl.int32)
-            for k0 in tl.static_range(0, HIDDEN, BLOCK_K):
-                kk = k0 + tl.arange(0, BLOCK_K)
-                km = kk < HIDDEN
-                r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
-                            mask=rl[:, None] & km[None, :], other=0.0, volatile=True)
-                bad = bad | (r != r).to(tl.int32)
-                w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
-                            mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
-                acc3 += r[:, None, :] * w[None, :, :]
-            ok = (tl.max(bad, axis=None) == 0).to(tl.int32)
-            polls += 1
-        acc = tl.sum(acc3, axis=2)
-    else:
-        ok = tl.full([], 1, tl.int32)
-        for k0 in range(0, HIDDEN, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            km = kk < HIDDEN
-            r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
-                                rl[:, None] & km[None, :], max_polls)  # [RR, BK]
-            ok = ok & got
-            w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
-                        mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
-            acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
-    tl.store(flag_ptr, 1, mask=ok == 0)
-    acc = tl.where(ok != 0, acc, float("nan"))
-    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
-             mask=rl[:, None] & em[None, :])
-    # release: every thread's logits are stored before the counter moves
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_router - 1:
-        _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
-                      stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K)
 
 
 @triton.jit
@@ -308,28 +201,6 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
 
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(x)
-
-
-@dataclass(frozen=True)
-class RouterScratch:
-    """NaN-armed handoff from row programs to router programs (see the module docstring)."""
-
-    r_in: torch.Tensor  # [route_rows, H] fp32, all NaN between launches
-    logits: torch.Tensor  # [route_rows, E] fp32, the last launch's logits (live rows)
-    counter: torch.Tensor  # [1] int32, 0 between launches
-
-    @classmethod
-    def create(cls, hidden: int, experts: int, device, route_rows: int = 8) -> RouterScratch:
-        return cls(
-            torch.full((route_rows, hidden), float("nan"), dtype=torch.float32, device=device),
-            torch.full((route_rows, experts), float("nan"), dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device),
-        )
-
-    def reset(self) -> None:
-        """After a failure flag (device synchronized): restore the invariant."""
-        self.r_in.fill_(float("nan"))
-        self.counter.zero_()
 
 
 # --- wrappers ----------------------------------------------------------------------------------
