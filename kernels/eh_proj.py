@@ -37,6 +37,7 @@ from kernels.linear import (
     _interpreting,
     _partials_buffer,
     _store_tile,
+    dot_bf16,
     linear_bf16_launch,
     split_plan,
 )
@@ -100,10 +101,7 @@ def _eh_proj_kernel(
         xt = bf16_rne(x * inv * wn[:, None])  # [BK, BR] bf16: the entry launch's eh values
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=cm[:, None] & (in_e | in_h)[None, :],
                     other=0.0)  # [BN, BK] bf16
-        if INTERPRET:
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        acc = dot_bf16(acc, w, xt, INTERPRET)
     _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
                 OUT_BF16)
 

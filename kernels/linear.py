@@ -180,12 +180,18 @@ def _linear_bf16_kernel(
                      mask=km[:, None] & live[None, :], other=0.0)  # [BK, BR] bf16
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=cm[:, None] & km[None, :],
                     other=0.0)  # [BN, BK] bf16
-        if INTERPRET:
-            acc += tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(w, xt)
+        acc = dot_bf16(acc, w, xt, INTERPRET)
     _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
                 OUT_BF16)
+
+
+@triton.jit
+def dot_bf16(acc, w, xt, INTERPRET: tl.constexpr):
+    """acc [BN, BR] + w [BN, BK] · xt [BK, BR] for bf16 tiles, FP32 products (see the module
+    docstring for the interpreter's FP32 operands)."""
+    if INTERPRET:
+        return acc + tl.dot(w.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+    return acc + tl.dot(w, xt)
 
 
 @triton.jit
