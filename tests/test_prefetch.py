@@ -260,12 +260,12 @@ def run_steps(w, pf, monkeypatch):
     layer_of = {id(layer.attn): layer.index for layer in w.layers}
     launches, real = [], iquestrt.model.attention_block
 
-    def attention_block(ops, cfg_t, aw, xn, pos, live, cache, table):
+    def attention_block(ops, cfg_t, aw, xn, pos, live, cache, table, **kw):
         if pf is not None:
             h = pf.maybe_prefetch(layer_of[id(aw)], xn, live)
             if h is not None:
                 launches.append((layer_of[id(aw)], xn.clone(), h.ids.clone()))
-        return real(ops, cfg_t, aw, xn, pos, live, cache, table)
+        return real(ops, cfg_t, aw, xn, pos, live, cache, table, **kw)
 
     toks = torch.randint(0, CFG.target.vocab_size, (10,), generator=gen(77))
     with monkeypatch.context() as mp:
