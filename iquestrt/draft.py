@@ -91,7 +91,7 @@ class DraftModel:
         eps = t.rms_norm_eps
         aw = d.attn
         _, xn = ops.norm_rows(x, aw.attention_norm, live, eps)
-        o = attention_block(ops, t, aw, xn, pos, live, cache, d.rope)
+        o, _ = attention_block(ops, t, aw, xn, pos, live, cache, d.rope)
         a = ops.linear_fp8(o, aw.o, live, torch.bfloat16)  # [R, H]
         # FP32 residual h = x + attn_out_norm(a); f_in = bf16(ffn_norm(h))
         h, f_in = ops.norm_rows(x, aw.ffn_norm, live, eps, b=a, wb=aw.attn_out_norm,

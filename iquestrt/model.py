@@ -7,7 +7,8 @@ Per layer: linear_fp8 QKV (split-K partials) → qk_rope → write_kv → attent
     router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
     next layer's attention_norm — or the final norm after the last layer). Each tail also
     quantizes its output for the FP8 GEMM that reads it (f_in for gate/up, xn for the next
-    QKV): quantize_act's values, without its own launch.
+    QKV), and so does the attention combine for the O projection: quantize_act's values,
+    without a launch of its own.
   * layer 0 (sandwich norms, raw residual): attn_tail with base x and scale 1.0 computes exactly
     h = bf16(x + attn_out_norm(a)) and f_in; the dense SwiGLU uses linear_fp8 for gate/up/down,
     silu_mul_rows for SiLU·up and norm_rows for x = bf16(h + ffn_out_norm(f)) with the next
@@ -42,8 +43,9 @@ def padded_tokens(tokens: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, table,
-                    qkv_view=None, xq=None):
-    """xn [R, H] bf16 → attention output [R, Hq·D] bf16 (K/V of the live rows written first).
+                    qkv_view=None, xq=None, quantize_o=False):
+    """xn [R, H] bf16 → (attention output o [R, Hq·D] bf16, quantize_act(o) made by the
+    combine launch when quantize_o and it can, else None); K/V of the live rows written first.
     qkv_view: maps the QKV partials to [S, R, (Hq + 2·Hkv)·D] (a tensor-parallel rank's padded
     block layout, iquestrt/tp/plan.py); None: they are laid out so already. xq: (E4M3 [R, H],
     scales [R, ⌈H/128⌉]) = quantize_act(xn) from the previous MoE tail, or None."""
@@ -54,8 +56,12 @@ def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, tab
                           num_q_heads=cfg_t.num_attention_heads,
                           num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps)
     ops.write_kv(cache, k, v, pos, live)
-    o = ops.attention(q, cache, pos, live, aw.sink_k, cfg_t.head_dim**-0.5)  # [R, Hq, D]
-    return o.reshape(o.shape[0], cfg_t.q_size)
+    scale = cfg_t.head_dim**-0.5
+    if quantize_o:
+        o, oq = ops.attention_q(q, cache, pos, live, aw.sink_k, scale)  # [R, Hq, D]
+    else:
+        o, oq = ops.attention(q, cache, pos, live, aw.sink_k, scale), None
+    return o.reshape(o.shape[0], cfg_t.q_size), oq
 
 
 def lm_head(ops, w, hidden, live: Live) -> torch.Tensor:
@@ -123,9 +129,9 @@ class TargetModel:
     def _o_partials(self, layer, xn, pos, live: Live, cache, xq=None) -> torch.Tensor:
         """Attention of xn [R, H] (xq: its quantization, or None) → the O projection's partials
         [S, R, H] the tail sums."""
-        o = attention_block(self.ops, self.t, layer.attn, xn, pos, live, cache, layer.rope,
-                            xq=xq)
-        return self.ops.linear_fp8_partials(o, layer.attn.o, live)
+        o, oq = attention_block(self.ops, self.t, layer.attn, xn, pos, live, cache, layer.rope,
+                                xq=xq, quantize_o=True)
+        return self.ops.linear_fp8_partials(o, layer.attn.o, live, xq=oq)
 
     def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:
         return f[None]  # [1, R, H]: one device's expert output

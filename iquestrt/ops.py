@@ -39,6 +39,7 @@ from kernels import rows as k_rows
 from kernels import sampler as k_sampler
 from kernels import tails as k_tails
 from kernels import verify as k_verify
+from kernels.fp8 import E4M3
 from kernels.sampler import SampleOut
 from kernels.sampler_values import DeviceSampling
 from kernels.verify import VerifyOut
@@ -167,6 +168,10 @@ class TwinOps:
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
         out = torch.full(q.shape, NAN, dtype=q.dtype, device=self.dev)
         return kv_layout.attention_ref(q, cache, positions, live.n, sink_k, scale, out=out)
+
+    def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
+        """→ (o, None): the twin O projection quantizes o itself."""
+        return self.attention(q, cache, positions, live, sink_k, scale), None
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
                   attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:
@@ -328,6 +333,20 @@ class KernelOps:
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
         return k_attention.attention(q, cache, positions, live.t, sink_k, scale)
+
+    def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
+        """→ (o [R, Hq, D], (E4M3 [R, Hq·D], scales) = quantize_act of o made by the combine
+        launch, or None when its programs do not cover whole 128-column groups)."""
+        r, hq, d = q.shape
+        lay = cache.layout
+        cfg = k_attention.pick_config(lay.head_dim, lay.capacity, lay.ring)
+        if not k_attention.combine_quantizes(hq, d, cfg.combine_heads):
+            return self.attention(q, cache, positions, live, sink_k, scale), None
+        xq = (torch.empty(r, hq * d, dtype=E4M3, device=self.dev),
+              torch.empty(r, -(-hq * d // 128), dtype=torch.float32, device=self.dev))
+        o = k_attention.attention(q, cache, positions, live.t, sink_k, scale, config=cfg,
+                                  quant_out=xq)
+        return o, xq
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
                   attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:

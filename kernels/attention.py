@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import quantize_groups
 from reference.kv_layout import LayerKV
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -222,11 +223,12 @@ def _split_term(pl_ptr, o_base, s, S, s_ls, s_os, lse_off, hmask, mx, HB: tl.con
 
 @triton.jit
 def _combine_kernel(
-    po_ptr, pl_ptr, q_ptr, sink_ptr, out_ptr, n_live_ptr,
+    po_ptr, pl_ptr, q_ptr, sink_ptr, out_ptr, n_live_ptr, oq_ptr, os_ptr,
     HQ, scale,
-    s_os, s_or, s_oh, s_ls, s_lr, s_qr, s_qh, s_sk, s_outr, s_outh,
+    s_os, s_or, s_oh, s_ls, s_lr, s_qr, s_qh, s_sk, s_outr, s_outh, s_oqr, s_osr,
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
     HB: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr, INTERPRET: tl.constexpr,
+    QUANT: tl.constexpr, QGROUPS: tl.constexpr,
 ):
     r = tl.program_id(0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)  # query heads of this program [HB]
@@ -287,6 +289,16 @@ def _combine_kernel(
             o = _rne_bf16(o)
     tl.store(out_ptr + r * s_outr + h[:, None] * s_outh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
+    if QUANT:  # the O projection's operand: this program's HB·D columns are whole 128-groups
+        tl.debug_barrier()  # (its own stores, read back by other threads, s_outh = D)
+        grp = tl.arange(0, QGROUPS)
+        col = tl.program_id(1) * (HB * D) + grp[:, None] * 128 + tl.arange(0, 128)[None, :]
+        qm = (col < HQ * D) & (r < n_live)
+        x = tl.load(out_ptr + r * s_outr + col, mask=qm, other=0.0).to(tl.float32)
+        oq, osc = quantize_groups(x)
+        tl.store(oq_ptr + r * s_oqr + col, oq, mask=qm)
+        gi = tl.program_id(1) * QGROUPS + grp
+        tl.store(os_ptr + r * s_osr + gi, osc, mask=(gi * 128 < HQ * D) & (r < n_live))
 
 
 @dataclass(frozen=True)
@@ -390,7 +402,11 @@ def attention_combine(
     heads_per_program: int = 1,
     unroll: int = 1,
     combine_warps: int = 4,
+    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
+    """quant_out = (E4M3 [R, Hq·D], fp32 [R, ⌈Hq·D/128⌉]) to fill with quantize_act(out viewed
+    [R, Hq·D]) on the live rows, bit for bit (the O projection's operand); needs
+    combine_quantizes(...) and out's heads contiguous."""
     s, r, hq, d = parts.o.shape
     if tuple(out.shape) != (r, hq, d) or out.stride(-1) != 1 or out.device != q.device:
         raise ValueError(f"attention_combine: out must be [{r}, {hq}, {d}] on {q.device}, last "
@@ -402,15 +418,39 @@ def attention_combine(
                          f"on {q.device}, got {tuple(sink_k.shape)} on {sink_k.device}")
     sink = sink_k if sink_k is not None else q  # placeholder pointer, never read
     hb = min(heads_per_program, triton.next_power_of_2(hq))
+    oq, osc = _check_quant_out(quant_out, r, hq, d, hb, out)
     _combine_kernel[(r, triton.cdiv(hq, hb))](
-        parts.o, parts.lse, q, sink, out, _n_live_tensor(n_live, q.device), hq, scale,
+        parts.o, parts.lse, q, sink, out, _n_live_tensor(n_live, q.device), oq, osc, hq, scale,
         parts.o.stride(0), parts.o.stride(1), parts.o.stride(2),
         parts.lse.stride(0), parts.lse.stride(1), q.stride(0), q.stride(1),
-        sink.stride(0), out.stride(0), out.stride(1),
+        sink.stride(0), out.stride(0), out.stride(1), oq.stride(0), osc.stride(0),
         G=hq // hkv, D=d, S=s, BLOCK_S=triton.next_power_of_2(s), HB=hb, UNROLL=unroll,
-        HAS_SINK=sink_k is not None, INTERPRET=_interpreting(), num_warps=combine_warps,
+        HAS_SINK=sink_k is not None, INTERPRET=_interpreting(),
+        QUANT=quant_out is not None, QGROUPS=max(1, hb * d // 128), num_warps=combine_warps,
     )
     return out
+
+
+def combine_quantizes(hq: int, d: int, heads_per_program: int) -> bool:
+    """Whether the combine can quantize its output itself: each program's heads cover whole
+    128-column groups (D a power of two, HB·D a multiple of 128)."""
+    hb = min(heads_per_program, triton.next_power_of_2(hq))
+    return d & (d - 1) == 0 and (hb * d) % 128 == 0
+
+
+def _check_quant_out(quant_out, r: int, hq: int, d: int, hb: int, out: torch.Tensor):
+    if quant_out is None:
+        return out, out  # placeholders, never touched (QUANT off)
+    if not combine_quantizes(hq, d, hb) or out.stride(1) != d:
+        raise ValueError(f"attention_combine: quant_out needs whole 128-column groups per "
+                         f"program (heads {hb} × D {d}) and contiguous heads in out")
+    oq, osc = quant_out
+    for name, t, shape, dt in (("quant_out[0]", oq, (r, hq * d), torch.float8_e4m3fn),
+                               ("quant_out[1]", osc, (r, -(-hq * d // 128)), torch.float32)):
+        if tuple(t.shape) != shape or t.dtype != dt or t.device != out.device or t.stride(1) != 1:
+            raise ValueError(f"attention_combine: {name} must be {list(shape)} {dt} with unit "
+                             f"column stride on {out.device}, got {tuple(t.shape)} {t.dtype}")
+    return oq, osc
 
 
 def attention(
@@ -424,6 +464,7 @@ def attention(
     out_dtype: torch.dtype = torch.bfloat16,
     *,
     config: AttentionConfig | None = None,
+    quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # see attention_combine
 ) -> torch.Tensor:
     _check_inputs(q, cache, q_pos, sink_k, "attention")
     lay = cache.layout
@@ -434,4 +475,5 @@ def attention(
     parts = _launch_split(q, cache, q_pos, n, scale, cfg)
     return attention_combine(parts, q, sink_k, n, scale, out,
                              heads_per_program=cfg.combine_heads,
-                             unroll=cfg.combine_unroll, combine_warps=cfg.combine_warps)
+                             unroll=cfg.combine_unroll, combine_warps=cfg.combine_warps,
+                             quant_out=quant_out)

@@ -96,7 +96,8 @@ class Lockstep:
         self.quantized[who] = self.quantized.get(who, 0) + 1
 
     def linear_fp8_partials(self, x, lin, live, xq=None):
-        self._producer_quantization(x, xq, live, "MoE")
+        o_operand = xq is not None and xq is getattr(self, "o_quantized", None)
+        self._producer_quantization(x, xq, live, "combine" if o_operand else "MoE")
         got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq), live.n
         total = got[0, :n].clone()
         for s in range(1, got.shape[0]):
@@ -131,6 +132,14 @@ class Lockstep:
 
     def rollback(self, cache, keep, written):
         self._mutating("rollback", cache, keep, written)
+
+    def attention_q(self, q, cache, positions, live, sink_k, scale):
+        got, oq = self.k.attention_q(q, cache, positions, live, sink_k, scale)
+        want = self.t.attention(q, cache, positions, live, sink_k, scale)
+        self._cmp(got[: live.n], want[: live.n], "kernels.attention", "bf16")
+        if oq is not None:  # checked against quantize_act where the O projection takes it
+            self.o_quantized = oq
+        return got, oq
 
     def attention(self, q, cache, positions, live, sink_k, scale):
         got = self.k.attention(q, cache, positions, live, sink_k, scale)
@@ -241,7 +250,7 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     lock = Lockstep(eng)
     res = eng.generate(req)
     assert lock.calls >= 2 * len(res.rounds)
-    assert set(lock.quantized) == {"MoE", "attention"}, \
+    assert set(lock.quantized) == {"MoE", "attention", "combine"}, \
         f"GEMMs taking a tail's quantization: {lock.quantized}"
     print("\nworst max_rel per op (kernels vs twins, same inputs): "
           + ", ".join(f"{op}[{dt}] {v:.2g}" for (op, dt), v in sorted(lock.margin.items())))

@@ -84,7 +84,7 @@ class RankOpsMixin:
         if layer is None:
             return super().linear_fp8_partials(x, lin, live, xq=xq)
         buf = self.attn_buf[layer]
-        self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers])
+        self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers], xq)
         return buf  # [S + P, R, H]: the attention tail sums all of them
 
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
@@ -127,8 +127,9 @@ class RankKernelOps(RankOpsMixin, KernelOps):
         n, k = lin.w.shape
         return k_linear.linear_fp8_splits(n, k)
 
-    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
-        k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out)
+    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor,
+                       xq=None) -> None:
+        k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out, quantized=xq)
 
     def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
                   xq=None) -> None:
@@ -142,7 +143,8 @@ class RankTwinOps(RankOpsMixin, TwinOps):
     def _local_splits(self, lin: Fp8Linear) -> int:
         return 1  # the twin is one GEMM
 
-    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor) -> None:
+    def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor,
+                       xq=None) -> None:
         out.copy_(TwinOps.linear_fp8_partials(self, x, lin, live))
 
     def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,

@@ -52,8 +52,8 @@ class TPTargetModel(TargetModel):
         """xn [R, H] (xq: its quantization, or None) → every rank's O partials [N·S, R, H]
         (this rank's heads)."""
         ops, t, pl = self.ops, self.t, self.plans
-        o = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
-                            qkv_view=pl.qkv.gather, xq=xq)  # [R, q·D] this rank's heads
+        o, _ = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
+                               qkv_view=pl.qkv.gather, xq=xq)  # [R, q·D] this rank's heads
         o = pl.o_in.scatter(o)  # [R, Po]
         mine = ops.linear_fp8_partials(o, layer.attn.o, live)  # [S, R, H]
         return self._gather(mine, f"layer {layer.index} O partials")

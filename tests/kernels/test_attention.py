@@ -445,13 +445,16 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
             "INTERPRET": False}, aligned, cfg.num_warps, cfg.num_stages)
     comb_args = [("po_ptr", "*fp32"), ("pl_ptr", "*fp32"), ("q_ptr", "*bf16"),
                  ("sink_ptr", "*bf16"), ("out_ptr", "*bf16"), ("n_live_ptr", "*i32"),
-                 ("HQ", i32), ("scale", "fp32")]
+                 ("oq_ptr", "*fp8e4nv"), ("os_ptr", "*fp32"), ("HQ", i32), ("scale", "fp32")]
     comb_args += [(n, i32) for n in ("s_os", "s_or", "s_oh", "s_ls", "s_lr", "s_qr", "s_qh",
-                                     "s_sk", "s_outr", "s_outh")]
-    for hb, s, sink in ((1, 264, True), (16, 8, False)):
-        stats[f"combine_hb{hb}"] = build(A._combine_kernel, comb_args, {
+                                     "s_sk", "s_outr", "s_outh", "s_oqr", "s_osr")]
+    variants = ((1, 264, True, False), (16, 8, False, False), (1, 264, True, True))
+    for hb, s, sink, quant in variants:
+        name = f"combine_hb{hb}" + ("_quant" if quant else "")
+        stats[name] = build(A._combine_kernel, comb_args, {
             "G": 6, "D": 128, "S": s, "BLOCK_S": triton.next_power_of_2(s), "HB": hb,
-            "UNROLL": 4, "HAS_SINK": sink, "INTERPRET": False})
+            "UNROLL": 4, "HAS_SINK": sink, "INTERPRET": False, "QUANT": quant,
+            "QGROUPS": max(1, hb * 128 // 128)})
     w_args = [("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("pos_ptr", "*i32"), ("n_live_ptr", "*i32"),
               ("ck_ptr", "*bf16"), ("cv_ptr", "*bf16"), ("label_ptr", "*i32")]
     w_args += [(n, i32) for n in ("C", "HKV", "D", "s_kr", "s_kh", "s_vr", "s_vh", "s_cc", "s_ch",
@@ -477,6 +480,41 @@ def test_compiled_branches_build_for_sm90():
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("split_ring", "split_full"):
         assert stats[name]["cp.async.cg"] > 0 and stats[name]["wgmma.mma_async"] > 0, stats
+    assert "combine_hb1_quant" in stats  # the quantizing combine builds for sm_90 too
+
+
+def test_combine_quantizes_its_output(device):
+    """attention(quant_out=…) fills quantize_act(out viewed [R, Hq·D]) bit for bit on the live
+    rows and leaves padding rows alone; the output itself is unchanged; a launch whose programs
+    do not cover whole 128-column groups, or a bad buffer, is refused by name."""
+    from kernels.attention import combine_quantizes
+    from kernels.fp8 import E4M3
+
+    scene = make_scene(LAYOUTS["full96"], 88, 8, 6, seed=4, device=device)
+    cfg = pick_config(D, scene.cache.layout.capacity, scene.cache.layout.ring)
+    assert combine_quantizes(HQ, D, cfg.combine_heads), (HQ, D, cfg.combine_heads)
+    for hq in (HQ, HQ // 2):  # 384 columns = 3 groups; 192 = 1.5 (a partial last group)
+        q = scene.q[:, :hq].contiguous()
+        q8 = torch.full((8, hq * D), 0x55, dtype=torch.uint8, device=device).view(E4M3)
+        sc = torch.full((8, -(-hq * D // 128)), 12288.0, device=device)
+        plain = attention(q, scene.cache, scene.q_pos, 6, scene.sink, SCALE)
+        out = attention(q, scene.cache, scene.q_pos, 6, scene.sink, SCALE, config=cfg,
+                        quant_out=(q8, sc))
+        assert torch.equal(out[:6].view(torch.int16), plain[:6].view(torch.int16))
+        q_want, s_want = ops.quantize_act(out[:6].reshape(6, hq * D).cpu())
+        assert torch.equal(q8[:6].cpu().view(torch.uint8), q_want.view(torch.uint8)), hq
+        assert torch.equal(sc[:6].cpu(), s_want), hq
+        assert (q8[6:].cpu().view(torch.uint8) == 0x55).all() and (sc[6:].cpu() == 12288.0).all()
+    q8 = torch.empty(8, HQ * D, dtype=torch.uint8, device=device).view(E4M3)
+    sc = torch.empty(8, HQ * D // 128, device=device)
+    one_head = dataclasses.replace(cfg, combine_heads=1)  # 1 head × D = 32: a quarter group
+    assert not combine_quantizes(HQ, D, 1)
+    with pytest.raises(ValueError, match="whole 128-column groups"):
+        attention(scene.q, scene.cache, scene.q_pos, 6, scene.sink, SCALE, config=one_head,
+                  quant_out=(q8, sc))
+    with pytest.raises(ValueError, match=r"quant_out\[1\]"):
+        attention(scene.q, scene.cache, scene.q_pos, 6, scene.sink, SCALE, config=cfg,
+                  quant_out=(q8, sc[:, :1]))
 
 
 if __name__ == "__main__":
