@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import quantize_groups
+from kernels.fp8 import check_quantized, quantize_stored_groups
 from reference.kv_layout import LayerKV
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -289,16 +289,11 @@ def _combine_kernel(
             o = _rne_bf16(o)
     tl.store(out_ptr + r * s_outr + h[:, None] * s_outh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    if QUANT:  # the O projection's operand: this program's HB·D columns are whole 128-groups
-        tl.debug_barrier()  # (its own stores, read back by other threads, s_outh = D)
-        grp = tl.arange(0, QGROUPS)
-        col = tl.program_id(1) * (HB * D) + grp[:, None] * 128 + tl.arange(0, 128)[None, :]
-        qm = (col < HQ * D) & (r < n_live)
-        x = tl.load(out_ptr + r * s_outr + col, mask=qm, other=0.0).to(tl.float32)
-        oq, osc = quantize_groups(x)
-        tl.store(oq_ptr + r * s_oqr + col, oq, mask=qm)
-        gi = tl.program_id(1) * QGROUPS + grp
-        tl.store(os_ptr + r * s_osr + gi, osc, mask=(gi * 128 < HQ * D) & (r < n_live))
+    if QUANT:  # the O projection's operand: this program's HB·D columns (s_outh = D) are
+        # whole 128-column groups
+        quantize_stored_groups(out_ptr, oq_ptr, os_ptr, r, r < n_live,
+                               tl.program_id(1) * (HB * D), HQ * D, s_outr, s_oqr, s_osr,
+                               QGROUPS)
 
 
 @dataclass(frozen=True)
@@ -444,12 +439,7 @@ def _check_quant_out(quant_out, r: int, hq: int, d: int, hb: int, out: torch.Ten
     if not combine_quantizes(hq, d, hb) or out.stride(1) != d:
         raise ValueError(f"attention_combine: quant_out needs whole 128-column groups per "
                          f"program (heads {hb} × D {d}) and contiguous heads in out")
-    oq, osc = quant_out
-    for name, t, shape, dt in (("quant_out[0]", oq, (r, hq * d), torch.float8_e4m3fn),
-                               ("quant_out[1]", osc, (r, -(-hq * d // 128)), torch.float32)):
-        if tuple(t.shape) != shape or t.dtype != dt or t.device != out.device or t.stride(1) != 1:
-            raise ValueError(f"attention_combine: {name} must be {list(shape)} {dt} with unit "
-                             f"column stride on {out.device}, got {tuple(t.shape)} {t.dtype}")
+    oq, osc = check_quantized("attention_combine: quant_out", quant_out, r, hq * d, out.device)
     return oq, osc
 
 

@@ -69,6 +69,24 @@ def quantize_groups(x):
     return e4m3_rne(y).to(tl.float8e4nv), scale
 
 
+@triton.jit
+def quantize_stored_groups(src_ptr, q_ptr, s_ptr, row, live, col0, cols, stride_src, stride_qr,
+                           stride_sr, GROUPS: tl.constexpr):
+    """quantize_act of columns col0 … col0 + 128·GROUPS − 1 (col0 a multiple of 128, columns ≥
+    `cols` absent) of row `row` of src, which this program has just stored: read back as
+    [G, 128] groups after a barrier (so every thread sees the others' stores) → q, scales.
+    Lets a producer quantize its own output for the next FP8 GEMM without another launch."""
+    tl.debug_barrier()
+    grp = tl.arange(0, GROUPS)
+    col = col0 + grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+    qm = (col < cols) & live
+    x = tl.load(src_ptr + row * stride_src + col, mask=qm, other=0.0).to(tl.float32)
+    q, s = quantize_groups(x)
+    tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
+    gi = col0 // 128 + grp
+    tl.store(s_ptr + row * stride_sr + gi, s, mask=(gi * 128 < cols) & live)
+
+
 # --- kernels ---------------------------------------------------------------------------------
 
 
@@ -172,6 +190,18 @@ def live_count(n_live, rows: int, device: torch.device) -> torch.Tensor:
     if n_live.numel() != 1:
         raise ValueError(f"n_live: expected one element, got shape {tuple(n_live.shape)}")
     return n_live
+
+
+def check_quantized(name: str, pair, rows: int, cols: int, device) -> tuple:
+    """pair = (q [rows, cols] E4M3, scales [rows, ⌈cols/128⌉] fp32), unit column strides: a
+    quantize_act result made earlier (by a producer kernel) → the pair; ValueError naming it."""
+    q, s = pair
+    for i, t, shape, dtype in ((0, q, (rows, cols), E4M3),
+                               (1, s, (rows, _blocks(cols)), torch.float32)):
+        check_tensor(f"{name}[{i}]", t, shape=shape, dtypes=(dtype,), device=device)
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise ValueError(f"{name}[{i}]: expected unit column stride, got {t.stride()}")
+    return q, s
 
 
 def quantize_act(

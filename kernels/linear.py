@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_act
+from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs ≥ 16)
@@ -309,9 +309,7 @@ def linear_fp8_partials(
     r, k, big_n, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
     n = live_count(n_live, r, x.device)
     if quantized is not None:
-        xq, sx = quantized
-        _check_out("quantized[0]", xq, (r, k), E4M3, x.device)
-        _check_out("quantized[1]", sx, (r, -(-k // FP8_BLOCK)), torch.float32, x.device)
+        quantized = check_quantized("quantized", quantized, r, k, x.device)
     out = _partials_buffer(out, s, r, big_n, x.device)
     _launch_fp8(x, weight, scale_inv, n, out, s, kb, False, cfg, quantized)
     return out

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_act
+from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
@@ -266,12 +266,7 @@ def moe_gate_up_fp8(
     if quantized is None:
         xq, xs = quantize_act(x, n)
     else:
-        xq, xs = quantized
-        for name, t, shape, dt in (("quantized[0]", xq, (r, hidden), E4M3),
-                                   ("quantized[1]", xs, (r, -(-hidden // 128)), torch.float32)):
-            check_tensor(name, t, shape=shape, dtypes=(dt,), device=dev)
-            if t.stride(1) != 1:
-                raise ValueError(f"{name}: expected unit column stride, got {t.stride()}")
+        xq, xs = check_quantized("quantized", quantized, r, hidden, dev)
     grid = (r * k, triton.cdiv(inter, cfg.gate_up_block_n))
     _moe_gate_up_kernel[grid](
         xq, xs, ids, n, fc, fc_scale_inv, out, r, hidden, inter,

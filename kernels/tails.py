@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_groups
+from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_stored_groups
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
 from reference.tails import AttnTailOut, MoeTailOut
@@ -61,21 +61,6 @@ def _inv_rms(x, eps, HIDDEN: tl.constexpr):
 def _rms(x, w, eps, HIDDEN: tl.constexpr):
     """x · (1/sqrt(sum(x²)/H + eps)) · w, in that order (masked columns of x hold 0)."""
     return x * _inv_rms(x, eps, HIDDEN) * w
-
-
-@triton.jit
-def _quantize_row(src_ptr, q_ptr, s_ptr, row, live, stride_src, stride_qr, stride_sr,
-                  HIDDEN: tl.constexpr, GROUPS: tl.constexpr):
-    """q, s = quantize_act of row `row` of src (bf16, just stored by this program), read back
-    as [G, 128] groups after a barrier so that every thread sees the other threads' stores."""
-    tl.debug_barrier()
-    grp = tl.arange(0, GROUPS)
-    col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-    qm = (col < HIDDEN) & live
-    x = tl.load(src_ptr + row * stride_src + col, mask=qm, other=0.0).to(tl.float32)
-    q, s = quantize_groups(x)
-    tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
-    tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < HIDDEN) & live)
 
 
 @triton.jit
@@ -111,8 +96,8 @@ def _attn_row_program(
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
-        _quantize_row(f_ptr, q_ptr, s_ptr, row, live, stride_fr, stride_qr, stride_sr,
-                      HIDDEN, GROUPS)
+        quantize_stored_groups(f_ptr, q_ptr, s_ptr, row, live, 0, HIDDEN, stride_fr, stride_qr,
+                               stride_sr, GROUPS)
 
 
 @triton.jit
@@ -173,8 +158,8 @@ def _moe_tail_kernel(
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
     if QUANT:  # the next layer's QKV operand
-        _quantize_row(xn_ptr, q_ptr, s_ptr, row, live, stride_xnr, stride_qr, stride_sr,
-                      HIDDEN, GROUPS)
+        quantize_stored_groups(xn_ptr, q_ptr, s_ptr, row, live, 0, HIDDEN, stride_xnr,
+                               stride_qr, stride_sr, GROUPS)
 
 
 # --- launch configuration (pinned; no autotuning) ----------------------------------------------
