@@ -8,7 +8,8 @@ prompt, the draft over positions 1 … n−1, the first token) → rounds on dev
 or by a WHILE graph on the device (iquestrt/graphs.py). The host reads the result log every
 round when `on_round` watches, about every STREAM_TOKENS tokens when streaming, else every
 RuntimeConfig.sync_rounds rounds (host loop) or once at the end (device loop); on the CPU every
-round (reads are free). Every wait for the device is bounded (RuntimeConfig.wait_s).
+round (reads are free), and so with the twins ops on a GPU (they read live rows on the host).
+Every wait for the device is bounded (RuntimeConfig.wait_s).
 Across requests the engine keeps its caches (capacity RuntimeConfig.max_positions), readiness
 flags, device state and round program — and so the program's captured graphs — for every request
 whose shape the state fits (DeviceState.fits: top_k / greedy, stop-id room, positions and
@@ -290,8 +291,8 @@ class Engine:
     def _loop(self, st: Session, launcher, on_round, on_tokens=None) -> None:
         """The decode clock: launch rounds, read the log, stop at the request's end."""
         ds = st.device
-        if on_round is not None or ds.tokens.device.type == "cpu":
-            every = 1
+        if on_round is not None or ds.tokens.device.type == "cpu" or self.rcfg.ops == "twins":
+            every = 1  # twins read live rows on the host and replay no 0-row round after the end
         elif on_tokens is not None:
             every = max(1, STREAM_TOKENS // (self.rcfg.policy.max_depth + 1))
         elif self.rcfg.loop == "device":

@@ -429,3 +429,21 @@ def test_streaming_delivers_every_token_once_and_can_cancel(corr):
     assert res.stop_reason == "cancelled" and 10 <= len(res.tokens) < 40
     assert res.tokens == want.tokens[: len(res.tokens)] == seen
     assert eng.session.caches.target_len == len(PROMPT) + len(res.tokens) - 1
+
+
+@pytest.mark.gpu
+def test_twins_on_a_gpu_sync_every_round(corr):
+    """The twins read live rows on the host and cannot run a round with none live, so on a GPU
+    the loop reads every round as on the CPU (with sync_rounds 4 it launched rounds past the
+    request's end and failed): a run nobody watches equals one watched round by round."""
+    def run(watch: bool):
+        rcfg = RuntimeConfig(ops="twins", device="cuda", ring_pad=PAD, max_positions=1024,
+                             policy=FixedDepth(3), sync_rounds=4)
+        eng = Engine(from_checkpoint(corr, "cuda", 1024), rcfg)
+        res = eng.generate(GenerationRequest(PROMPT, 24, SAMPLING, 5),
+                           on_round=(lambda rec: None) if watch else None)
+        return res.tokens, rounds_key(res), res.stop_reason
+
+    unwatched, watched = run(False), run(True)
+    assert unwatched == watched
+    assert len(unwatched[0]) == 24 and unwatched[2] == "length"

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import torch
 
 from benchmarks.rank.floor import kv_growth_bytes
 from benchmarks.rank.shapes import rank_config
+from iquestrt.experiment.record import revision
 from iquestrt.files import swap_in
 from iquestrt.report.svg import line_chart
 
@@ -21,15 +21,8 @@ TARGET_RATIO, TARGET_GROWTH, TARGET_SPEEDUP = 1.5, 1.2, 5.0
 
 
 def environment() -> dict:
-    def git(*args) -> str:
-        try:
-            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parents[2]).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return "unknown"
-
-    env = {"revision": git("rev-parse", "HEAD") or "unknown",
-           "dirty_files": [ln[3:] for ln in git("status", "--porcelain").splitlines()],
+    rev = revision()  # dirty: `git status --porcelain` lines, status code kept (" M p" → "M p")
+    env = {"revision": rev["commit"], "dirty_files": rev["dirty"],
            "torch": torch.__version__, "python": platform.python_version()}
     try:
         import triton

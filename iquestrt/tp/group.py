@@ -198,9 +198,15 @@ def init_group(
         rv = rendezvous_explicit(rank, world, master_addr, master_port)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if device is None:
-        device = f"cuda:{rv.local_rank % max(1, torch.cuda.device_count())}" \
-            if backend == "nccl" else "cpu"
+    if device is None and backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if rv.local_rank >= gpus:  # NCCL refuses two ranks on one GPU ("duplicate GPU")
+            raise TPError(f"tp.group: rank {rv.rank} (local rank {rv.local_rank}) has no GPU of "
+                          f"its own: {gpus} visible; NCCL needs one per rank (fewer --tp ranks, "
+                          f"or CUDA_VISIBLE_DEVICES= for gloo on the CPU)")
+        device = f"cuda:{rv.local_rank}"
+    elif device is None:
+        device = "cpu"
     group = TPGroup(rv.rank, rv.world, backend, torch.device(device), float(timeout_s))
     if not dist.is_available():
         raise TPError("tp.group: this torch build has no torch.distributed")

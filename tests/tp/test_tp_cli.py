@@ -1,6 +1,7 @@
-"""`iquestrt generate --tp 2` under torchrun (two CPU processes, gloo, twins): rank 0 prints
-the tokens, rank 1 nothing; greedy tokens equal the one-process command's or part at a near-tie;
-without torchrun the command names how to start it."""
+"""`iquestrt generate --tp 2` under torchrun — two CPU processes (gloo, twins; GPUs hidden) and,
+on a machine with two GPUs, two NCCL ranks with the compiled kernels: rank 0 prints the tokens,
+rank 1 nothing; greedy tokens equal the one-process command's or part at a near-tie; without
+torchrun the command names how to start it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
 from flip_check import check_greedy
 from tp_harness import free_port
 
@@ -24,21 +27,37 @@ def tokens_of(stdout: str) -> list[int]:
     return [int(t) for t in stdout.strip().splitlines()[0].split()]
 
 
-def test_generate_tp2_under_torchrun(capsys):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+def _tp2_tokens(args: list[str], env: dict) -> list[int]:
+    env = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
            "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m",
-           "iquestrt.cli", *ARGS, "--tp", "2"]
+           "iquestrt.cli", *args, "--tp", "2"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
-    tp = tokens_of(res.stdout)
     line = res.stdout.strip().splitlines()[0]
     assert res.stdout.count(line) == 1, "only rank 0 prints"
-    assert cli.main(ARGS) == 0
+    return tokens_of(res.stdout)
+
+
+def _check_against_one_process(args: list[str], tp: list[int], capsys) -> None:
+    assert cli.main(args) == 0
     one = tokens_of(capsys.readouterr().out)
     ck = load_checkpoint(mini_engine.MINI)
     prompt = checkpoint_tokenizer(ck.directory).encode("def parse_args(").ids
     print("\n  " + (check_greedy(ck, prompt, tp, one) or "TP2 == one process"))
+
+
+def test_generate_tp2_under_torchrun(capsys):
+    tp = _tp2_tokens(ARGS, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo on the CPU
+    _check_against_one_process(ARGS, tp, capsys)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
+def test_generate_tp2_nccl_kernels(capsys):
+    args = [a if a != "twins" else "kernels" for a in ARGS]
+    tp = _tp2_tokens(args, dict(os.environ))
+    _check_against_one_process(args, tp, capsys)
 
 
 def test_tp_without_torchrun_says_how(monkeypatch, capsys):

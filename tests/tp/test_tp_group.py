@@ -85,6 +85,17 @@ def test_disable_multicast_refuses_a_conflicting_setting(name, value):
     assert env == {name: value}  # nothing half-set
 
 
+def test_nccl_rank_without_a_gpu_of_its_own_is_refused(monkeypatch):
+    """Two NCCL ranks on one GPU fail deep inside NCCL; init_group names it before joining."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(TPError, match="local rank 1\\) has no GPU of its own: 1 visible"):
+        init_group()
+    assert not torch.distributed.is_initialized()
+
 def test_rendezvous_from_env():
     env = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "29500"}
     rv = rendezvous_from_env(env)
