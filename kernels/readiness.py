@@ -207,17 +207,36 @@ class PartialRing:
 
 
 @triton.jit
-def wait_partial_sum(ptr, stride_n, offs, mask, max_polls, NPART: tl.constexpr):
-    """Σ_{n<NPART} ptr[n·stride_n + offs] in FP32, n = 0, 1, … in order, re-read (volatile: not
-    served from a cache that misses other producers' writes) until the sum has no NaN or
-    max_polls reads were made. → (sum, ready int32 0/1, polls made)."""
+def partial_base(ptr, n, stride_n, TABLE: tl.constexpr, PART_BF16: tl.constexpr):
+    """Partial n's base: ptr + n·stride_n, or with TABLE the n-th int64 address of the table at
+    ptr (kernels/peer_partials.py: buffers at unrelated addresses, e.g. peer GPUs')."""
+    if TABLE:
+        addr = tl.load(ptr + n)
+        if PART_BF16:
+            base = addr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        else:
+            base = addr.to(tl.pointer_type(tl.float32), bitcast=True)
+    else:
+        base = ptr + n * stride_n
+    return base
+
+
+@triton.jit
+def wait_partial_sum(ptr, stride_n, row_off, offs, mask, max_polls, NPART: tl.constexpr,
+                     TABLE: tl.constexpr, PART_BF16: tl.constexpr):
+    """Σ_{n<NPART} partial_n[row_off + offs] in FP32, n = 0, 1, … in order (partial_n as
+    partial_base), re-read (volatile: not served from a cache that misses other producers'
+    writes) until the sum has no NaN or max_polls reads were made. → (sum, ready int32 0/1,
+    polls made)."""
     polls = tl.full([], 0, tl.int32)
     ready = tl.full([], 0, tl.int32)
     acc = tl.zeros(offs.shape, tl.float32)
     while (ready == 0) & (polls < max_polls):
-        acc = tl.load(ptr + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+        first = partial_base(ptr, 0, stride_n, TABLE, PART_BF16) + row_off
+        acc = tl.load(first + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
         for n in tl.static_range(1, NPART):
-            part = tl.load(ptr + n * stride_n + offs, mask=mask, other=0.0, volatile=True)
+            base = partial_base(ptr, n, stride_n, TABLE, PART_BF16) + row_off
+            part = tl.load(base + offs, mask=mask, other=0.0, volatile=True)
             acc = acc + part.to(tl.float32)
         ready = (tl.sum((acc != acc).to(tl.int32), axis=None) == 0).to(tl.int32)
         polls += 1
@@ -240,7 +259,8 @@ def wait_ready(ptrs, mask, max_polls):
 @triton.jit
 def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr, flag_ptr,
               row, n, cols, cmask, max_polls,
-              NPART: tl.constexpr, REARM: tl.constexpr, WRITE_POLLS: tl.constexpr):
+              NPART: tl.constexpr, REARM: tl.constexpr, WRITE_POLLS: tl.constexpr,
+              TABLE: tl.constexpr, PART_BF16: tl.constexpr):
     """Prologue of a consumer's row program: wait for Σ partials of `row`, raise the flag on a
     timeout, re-arm this row of `rearm` once ready. → (FP32 sum [BLOCK_H], ready, live).
     A padding row (row ≥ n) with re-arming polls row 0 instead: it needs the evidence that this
@@ -254,8 +274,8 @@ def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr, f
         budget = max_polls
     else:
         budget = tl.where(live, max_polls, 0)
-    acc, ready, polls = wait_partial_sum(part_ptr + src * stride_pr, stride_pn, cols, cmask,
-                                         budget, NPART)
+    acc, ready, polls = wait_partial_sum(part_ptr, stride_pn, src * stride_pr, cols, cmask,
+                                         budget, NPART, TABLE, PART_BF16)
     if WRITE_POLLS:
         tl.store(polls_ptr + row, polls)
     fail = ready == 0

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_stored_groups
+from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
 from reference.tails import AttnTailOut, MoeTailOut
@@ -71,13 +72,13 @@ def _attn_row_program(
     row, n, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
-    GROUPS: tl.constexpr,
+    GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
-                                 NPART, REARM, WRITE_POLLS)
+                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16)
     m = cmask & live
     a = _bf16(acc)  # the o_proj output a
     w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -112,6 +113,7 @@ def _attn_tail_kernel(
     BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
+    TABLE: tl.constexpr, PART_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = tl.load(n_live_ptr)
@@ -120,7 +122,8 @@ def _attn_tail_kernel(
                           polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr,
                           stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
                           stride_qr, stride_sr, pid, n, eps, scale, max_polls,
-                          HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS)
+                          HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS,
+                          TABLE, PART_BF16)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
@@ -137,7 +140,7 @@ def _moe_tail_kernel(
     eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
-    GROUPS: tl.constexpr,
+    GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
 ):
     row = tl.program_id(0)
     n = tl.load(n_live_ptr)
@@ -145,7 +148,7 @@ def _moe_tail_kernel(
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr,
                                  flag_ptr, row, n, cols, cmask, max_polls,
-                                 NPART, REARM, WRITE_POLLS)
+                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16)
     m = cmask & live
     f = _bf16(acc)  # the experts' output f
     h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
@@ -209,31 +212,24 @@ def _quant_outputs(q, s, quantize: bool, rows: int, hidden: int, dev, what: str)
     return q, s
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses a strided tensor can touch."""
-    last = sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
-    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-
-def _check_common(partials, n_live, fail_flag, max_polls, rearm, polls, cfg):
-    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
-    npart, rows, hidden = partials.shape
-    dev = partials.device
+def _check_common(p: PartialsArg, n_live, fail_flag, max_polls, rearm, polls, cfg):
+    npart, rows, hidden = p.shape
+    dev = p.device
     if not 1 <= npart <= MAX_PARTIALS:
         raise ValueError(f"partials: expected 1..{MAX_PARTIALS} partials (dim 0), got {npart}")
     if not 1 <= rows <= cfg.route_rows:
         raise ValueError(f"partials: expected 1..{cfg.route_rows} rows (dim 1), got {rows}")
-    if hidden < 1 or partials.stride(2) != 1:
+    if hidden < 1 or (not p.table and p.arg.stride(2) != 1):
         raise ValueError(f"partials: expected H >= 1 with unit stride, got shape "
-                         f"{tuple(partials.shape)} strides {partials.stride()}")
+                         f"{tuple(p.shape)} strides {p.arg.stride()}")
     n = live_count(n_live, rows, dev)
     check_tensor("fail_flag", fail_flag, shape=(1,), dtypes=(torch.int32,), device=dev)
     if not isinstance(max_polls, int) or not 1 <= max_polls < 2**31:
         raise ValueError(f"max_polls: expected an int in [1, 2^31), got {max_polls!r}")
     if rearm is not None:
-        _check_rows("rearm", rearm, rows, hidden, (partials.dtype,), dev)
-        (a0, a1), (b0, b1) = _span(rearm), _span(partials)
-        if a0 < b1 and b0 < a1:
+        _check_rows("rearm", rearm, rows, hidden, (p.dtype,), dev)
+        a0, a1 = span(rearm)
+        if any(a0 < b1 and b0 < a1 for b0, b1 in p.spans):
             raise ValueError("rearm: overlaps the partials being consumed; a consumer re-arms "
                              "an older slot, never the one it reads (kernels/readiness.py (1))")
     if polls is not None:
@@ -242,7 +238,7 @@ def _check_common(partials, n_live, fail_flag, max_polls, rearm, polls, cfg):
 
 
 def attn_tail(
-    partials: torch.Tensor,  # [N, R, H] fp32 | bf16 o_proj partials (a ring slot); NaN = unwritten
+    partials,  # [N, R, H] fp32 | bf16 o_proj partials (a ring slot) or PeerPartials; NaN: unwritten
     xn: torch.Tensor,  # [R, H] bf16 this layer's normalized input
     attn_out_norm: torch.Tensor,  # [H] bf16 | fp32
     ffn_norm: torch.Tensor,  # [H] bf16 | fp32 feed_forward_norm
@@ -273,14 +269,12 @@ def attn_tail(
     in the failure flag, not a hang.
     quantize: also out.fq / out.sf = kernels.fp8.quantize_act(f_in) bit for bit (the experts'
     gate/up operand, so that moe_fp8 needs no quantization launch)."""
-    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
+    p = partials_arg(partials)
     if router_w is not None:
-        check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,),
-                     device=partials.device)
-    cfg = config or tail_launch(partials.shape[-1], 0 if router_w is None else router_w.shape[0])
-    npart, rows, hidden, n = _check_common(partials, n_live, fail_flag, max_polls, rearm, polls,
-                                           cfg)
-    dev = partials.device
+        check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,), device=p.device)
+    cfg = config or tail_launch(p.shape[-1], 0 if router_w is None else router_w.shape[0])
+    npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
+    dev = p.device
     _check_rows("xn", xn, rows, hidden, (torch.bfloat16,), dev)
     for name, w in (("attn_out_norm", attn_out_norm), ("ffn_norm", ffn_norm)):
         check_tensor(name, w, shape=(hidden,), dtypes=(torch.bfloat16, torch.float32), device=dev)
@@ -331,10 +325,10 @@ def attn_tail(
     sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
     _attn_tail_kernel[(rows + n_route,)](
-        partials, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
+        p.arg, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
         dummy if rearm is None else rearm, dummy if polls is None else polls, fail_flag, n,
         sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts, q, s,
-        partials.stride(0), partials.stride(1), xn.stride(0), out.h.stride(0),
+        p.stride_n, p.stride_r, xn.stride(0), out.h.stride(0),
         out.f_in.stride(0), 0 if rearm is None else rearm.stride(0),
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
         rows, eps, attn_out_scale, max_polls, router_max_polls,
@@ -343,13 +337,14 @@ def attn_tail(
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_pow2(-(-hidden // 128)),
+        TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out
 
 
 def moe_tail(
-    partials: torch.Tensor,  # [N, R, H] fp32 | bf16 expert-output partials; NaN = unwritten
+    partials,  # [N, R, H] fp32 | bf16 expert-output partials, or PeerPartials; NaN = unwritten
     h: torch.Tensor,  # [R, H] bf16 residual from the attention tail
     next_norm: torch.Tensor,  # [H] next layer's attention_norm, or the final norm
     n_live: torch.Tensor | None,
@@ -367,11 +362,10 @@ def moe_tail(
     """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched.
     quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next layer's
     QKV operand, so that its GEMM needs no quantization launch)."""
-    check_tensor("partials", partials, dims=3, dtypes=(torch.float32, torch.bfloat16))
-    cfg = config or tail_launch(partials.shape[-1])
-    npart, rows, hidden, n = _check_common(partials, n_live, fail_flag, max_polls, rearm, polls,
-                                           cfg)
-    dev = partials.device
+    p = partials_arg(partials)
+    cfg = config or tail_launch(p.shape[-1])
+    npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
+    dev = p.device
     _check_rows("h", h, rows, hidden, (torch.bfloat16,), dev)
     check_tensor("next_norm", next_norm, shape=(hidden,), dtypes=(torch.bfloat16, torch.float32),
                  device=dev)
@@ -386,13 +380,14 @@ def moe_tail(
     out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     _moe_tail_kernel[(rows,)](
-        partials, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
+        p.arg, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
         out.xn if polls is None else polls, fail_flag, n, q, s,
-        partials.stride(0), partials.stride(1), h.stride(0), out.xn.stride(0), x.stride(0),
+        p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
         0 if rearm is None else rearm.stride(0), q.stride(0), s.stride(0),
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
-        GROUPS=_pow2(-(-hidden // 128)), num_warps=cfg.num_warps, enable_fp_fusion=False,
+        GROUPS=_pow2(-(-hidden // 128)), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out
