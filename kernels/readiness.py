@@ -173,9 +173,8 @@ def explore(
 
 class PartialRing:
     """B partial buffers of N ranks on one device, [B, N, R, H], NaN until written, with the slot
-    math of `policy`. Under tensor parallelism each rank owns only its [B, R, H]; the consumer
-    then needs its peers' buffers at one stride (symmetric memory) or a pointer table — the
-    kernels take [N, R, H] at one stride and this class does not do the peer mapping yet."""
+    math of `policy`. Under tensor parallelism each rank owns only its [B, R, H] and the tails
+    read its peers' through a table of addresses: iquestrt/tp/peer_ring.py."""
 
     def __init__(self, policy: RingPolicy, ranks: int, rows: int, hidden: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):

@@ -113,3 +113,22 @@ def spawn(fn, world: int, args: tuple, timeout_s: float) -> float:
                 p.join(5)
             raise AssertionError(f"ranks with pids {alive} still running after {timeout_s} s")
     return time.monotonic() - t0
+
+
+# --- the peer ring (tests/tp/test_tp_peer_ring.py) --------------------------------------------
+
+RING_ROWS, RING_HIDDEN = 8, 256
+RING_LIVE = (8, 5, 1, 8, 3, 6, 2, 8, 4)  # live rows at reduction steps 0, 1, …
+
+
+def ring_partial(rank: int, step: int) -> torch.Tensor:
+    """Rank `rank`'s partial of reduction step `step`: [R, H] fp32, the same in every process."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(RING_ROWS, RING_HIDDEN, generator=g)
+
+
+def ring_tail_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [R, H] bf16, norm weight [H] bf16) of the MoE tail consuming step `step`."""
+    g = torch.Generator().manual_seed(7 + step)
+    return (torch.randn(RING_ROWS, RING_HIDDEN, generator=g).bfloat16(),
+            (1 + 0.1 * torch.randn(RING_HIDDEN, generator=g)).bfloat16())

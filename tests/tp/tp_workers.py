@@ -190,3 +190,38 @@ def generate_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: f
               for r in res.rounds]
     torch.save({"tokens": res.tokens, "rounds": rounds}, os.path.join(out_dir, f"rank{rank}.pt"))
     tp_group.close_group()
+
+
+def peer_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> None:
+    """One NCCL rank on its own GPU (compiled kernels): the ring in symmetric memory, every step
+    produced into this rank's slot and consumed by the MoE tail reading all ranks' slots; the
+    same tail on the stacked partials of every rank (rebuilt here) is the expected bits."""
+    import torch
+    from tp_harness import RING_HIDDEN, RING_LIVE, RING_ROWS, ring_partial, ring_tail_inputs
+
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.peer_ring import symmetric_ring
+    from kernels.tails import moe_tail
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="nccl", timeout_s=timeout_s)
+    dev = g.device
+    ring = symmetric_ring(g, RING_ROWS, RING_HIDDEN)
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    res = {"got": [], "want": [], "polls": []}
+    for t, n in enumerate(RING_LIVE):
+        ring.produce(t)[:n] = ring_partial(rank, t)[:n].to(dev)
+        h, w = (x.to(dev) for x in ring_tail_inputs(t))
+        n_live = torch.tensor([n], dtype=torch.int32, device=dev)
+        polls = torch.zeros(RING_ROWS, dtype=torch.int32, device=dev)
+        got = moe_tail(ring.consume(t), h, w, n_live, flag, eps=1e-6, ffn_out_scale=0.5,
+                       max_polls=1 << 22, rearm=ring.rearm(t), polls=polls)
+        stacked = torch.stack([ring_partial(p, t) for p in range(world)]).to(dev)
+        want = moe_tail(stacked, h, w, n_live, flag, eps=1e-6, ffn_out_scale=0.5, max_polls=1)
+        res["got"].append(got.xn[:n].cpu())
+        res["want"].append(want.xn[:n].cpu())
+        res["polls"].append(polls.cpu())
+    torch.cuda.synchronize(dev)
+    res["flag"] = int(flag.item())
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
+    tp_group.close_group()

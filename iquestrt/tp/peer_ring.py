@@ -1,0 +1,97 @@
+"""The partial-buffer ring of the fused all-reduce over peer memory (issue 8 (3)): each rank q
+owns B slots P_q[0..B) of [R, H] FP32 — in GPU symmetric memory, so that every peer can read
+them — and at reduction step t
+
+  producer(t) on q   writes its partial into P_q[t mod B]               (produce(t))
+  consumer(t) on q   sums P_0 … P_{N−1}[t mod B] in rank order, polling  (consume(t): the
+                     until NaN-free (kernels/readiness.py), then re-arms   PeerPartials of the
+                     its own P_q[(t − 1) mod B] with NaN                   slot; rearm(t))
+
+with the ring policy's B = 3, lag 1 (kernels/readiness.py proves the reuse safe and
+tests/kernels/test_readiness.py checks it). The consumer is a tail kernel reading the peers'
+slots through a table of addresses (kernels/peer_partials.py); one table per slot, made once, so
+captured CUDA graphs replay them. Rank order in the table = rank order of the sum on every rank,
+so every rank computes the same bits.
+
+`symmetric_ring` allocates the ring in torch symmetric memory on a CUDA process group (one GPU
+per rank; NVLink multicast stays off: iquestrt/tp/group.py). `PeerRing` itself takes any views
+[B, R, H] per rank, so the slot bookkeeping is tested on one device with emulated ranks.
+
+Dimension letters: B ring slots, N ranks, R rows, H hidden.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.peer_partials import PeerPartials
+from kernels.readiness import RingPolicy
+
+
+class PeerRing:
+    def __init__(self, views, rank: int, policy: RingPolicy | None = None, keep=None):
+        """views[p]: rank p's ring [B, R, H] fp32 as this rank addresses it (its own memory for
+        p = rank, a peer mapping otherwise); keep: what must outlive the views (the symmetric
+        memory handle)."""
+        self.policy = policy or RingPolicy()
+        if not self.policy.safe:
+            raise ValueError(f"PeerRing: policy {self.policy} is unsafe; need lag >= 1, buffers "
+                             ">= lag + 2 and rearm_all_rows (kernels/readiness.py)")
+        views = tuple(views)
+        if not views:
+            raise ValueError("PeerRing: expected one view per rank, got none")
+        if not 0 <= rank < len(views):
+            raise ValueError(f"PeerRing: rank {rank} outside [0, {len(views)})")
+        b = self.policy.buffers
+        for p, v in enumerate(views):
+            if v.dim() != 3 or v.shape[0] != b or v.shape != views[0].shape:
+                raise ValueError(f"PeerRing: views[{p}] has shape {tuple(v.shape)}; expected "
+                                 f"[{b}, R, H] like views[0] {tuple(views[0].shape)}")
+            if v.dtype != torch.float32 or not v.is_contiguous():
+                raise ValueError(f"PeerRing: views[{p}] must be contiguous fp32, got {v.dtype}")
+        self.views, self.rank, self.keep = views, rank, keep
+        self.slots = tuple(PeerPartials.of([v[s] for v in views]) for s in range(b))
+
+    @property
+    def ranks(self) -> int:
+        return len(self.views)
+
+    def produce(self, step: int) -> torch.Tensor:  # [R, H] this rank's slot of step t
+        return self.views[self.rank][self.policy.read_slot(step)]
+
+    def consume(self, step: int) -> PeerPartials:  # every rank's slot of step t, rank order
+        return self.slots[self.policy.read_slot(step)]
+
+    def rearm(self, step: int) -> torch.Tensor:  # [R, H] this rank's slot of step t − lag
+        return self.views[self.rank][self.policy.rearm_slot(step)]
+
+    def arm(self) -> None:
+        """All of this rank's slots to NaN (start, or after a failure flag; every rank must
+        arm, and synchronize, before any producer writes again)."""
+        self.views[self.rank].fill_(float("nan"))
+
+
+def symmetric_ring(group, rows: int, hidden: int, policy: RingPolicy | None = None) -> PeerRing:
+    """A PeerRing in torch symmetric memory on `group` (an initialized NCCL TPGroup, one GPU per
+    rank): collective — every rank calls it with the same shape. Armed and synchronized across
+    ranks on return."""
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if group.backend != "nccl":
+        raise ValueError(f"symmetric_ring: needs CUDA ranks (nccl), got {group.backend}: peer "
+                         "memory does not exist between CPU processes")
+    group.require_initialized("tp.peer_ring")
+    policy = policy or RingPolicy()
+    shape = (policy.buffers, rows, hidden)
+    buf = symm_mem.empty(*shape, dtype=torch.float32, device=group.device)
+    buf.fill_(float("nan"))
+    name = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before rendezvous in 2.5–2.8
+        symm_mem.enable_symm_mem_for_group(name)
+    handle = symm_mem.rendezvous(buf, name)
+    views = [buf if p == group.rank else handle.get_buffer(p, shape, torch.float32)
+             for p in range(group.world)]
+    torch.cuda.synchronize(group.device)
+    dist.barrier()  # every rank armed before any producer of step 0 writes
+    return PeerRing(views, group.rank, policy, keep=handle)
