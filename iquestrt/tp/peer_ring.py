@@ -14,13 +14,17 @@ captured CUDA graphs replay them. Rank order in the table = rank order of the su
 so every rank computes the same bits.
 
 `symmetric_ring` allocates the ring in torch symmetric memory on a CUDA process group (one GPU
-per rank; NVLink multicast stays off: iquestrt/tp/group.py). `PeerRing` itself takes any views
-[B, R, H] per rank, so the slot bookkeeping is tested on one device with emulated ranks.
+per rank; NVLink multicast stays off: iquestrt/tp/group.py). `shared_file_ring` is its CPU
+stand-in for gloo ranks on one host: each rank's ring is a shared file mapping that every rank
+maps too, so interpreted tails poll slots that other processes write, concurrently. `PeerRing`
+itself takes any views [B, R, H] per rank (tests also emulate ranks on one device).
 
 Dimension letters: B ring slots, N ranks, R rows, H hidden.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -95,3 +99,26 @@ def symmetric_ring(group, rows: int, hidden: int, policy: RingPolicy | None = No
     torch.cuda.synchronize(group.device)
     dist.barrier()  # every rank armed before any producer of step 0 writes
     return PeerRing(views, group.rank, policy, keep=handle)
+
+
+def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring",
+                     policy: RingPolicy | None = None) -> PeerRing:
+    """A PeerRing of CPU ranks (gloo, one host) in shared file mappings DIRECTORY/NAME-rank<q>.bin
+    (a directory every rank sees; the files stay until the caller removes the directory).
+    Collective; armed and synchronized across ranks on return."""
+    import torch.distributed as dist
+
+    if group.backend != "gloo":
+        raise ValueError(f"shared_file_ring: for CPU ranks (gloo), got {group.backend}; CUDA "
+                         "ranks use symmetric_ring")
+    group.require_initialized("tp.peer_ring")
+    policy = policy or RingPolicy()
+    shape, numel = (policy.buffers, rows, hidden), policy.buffers * rows * hidden
+    files = [Path(directory) / f"{name}-rank{p}.bin" for p in range(group.world)]
+    own = torch.from_file(str(files[group.rank]), shared=True, size=numel, dtype=torch.float32)
+    own.fill_(float("nan"))
+    dist.barrier()  # every file exists and is armed
+    views = [own.view(shape) if p == group.rank else
+             torch.from_file(str(f), shared=True, size=numel, dtype=torch.float32).view(shape)
+             for p, f in enumerate(files)]
+    return PeerRing(views, group.rank, policy)

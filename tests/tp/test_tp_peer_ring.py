@@ -3,8 +3,10 @@ emulated on one device (their rings are separate allocations; producers and cons
 after another): every consumer's tail over the peers' slots equals the tail over the stacked
 partials bit for bit, and the ring's NaN state is what kernels/readiness.py's protocol says
 after each step; a late producer is caught by the re-arm (failure flag), and without the re-arm
-its stale slot would be consumed as fresh (the control). On two GPUs: the ring in symmetric
-memory, each rank an NCCL process reading its peer's slots directly."""
+its stale slot would be consumed as fresh (the control). Concurrent: 2 and 3 gloo processes on
+shared file mappings, producers delayed at random, the interpreted tails polling slots other
+processes write; a rank that never writes ends every consumer of that step in the flag. On two
+GPUs: the ring in symmetric memory, each rank an NCCL process reading its peer's slots."""
 
 from __future__ import annotations
 
@@ -109,6 +111,31 @@ def test_ring_refusals(device):
         PeerRing([], 0)
     with pytest.raises(ValueError, match="needs CUDA ranks \\(nccl\\), got gloo"):
         symmetric_ring(TPGroup(0, 2, "gloo", torch.device("cpu"), 5.0), 8, 128)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_processes_reduce_through_shared_files(world, tmp_path):
+    spawn(tp_workers.shared_ring_worker, world, (world, free_port(), str(tmp_path), 60.0, -1),
+          240.0)
+    for rank in range(world):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        assert res["flags"] == [0] * len(RING_LIVE), f"rank {rank}: flags {res['flags']}"
+        for t, (got, want) in enumerate(zip(res["got"], res["want"], strict=True)):
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                f"rank {rank}, step {t}: shared-ring tail != stacked tail"
+    waited = [int(p[0]) for r in range(world)
+              for p in torch.load(tmp_path / f"rank{r}.pt")["polls"]]
+    print(f"\n  polls of row 0 per rank and step: {waited}")
+
+
+def test_a_rank_that_never_writes_ends_its_step_in_the_flag(tmp_path):
+    spawn(tp_workers.shared_ring_worker, 2, (2, free_port(), str(tmp_path), 60.0, 4), 240.0)
+    n = RING_LIVE[4]
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt")
+        assert res["flags"] == [0, 0, 0, 0, 1], f"rank {rank}: flags {res['flags']}"
+        assert res["polls"][4][:n].tolist() == [50] * n
+        assert torch.isnan(res["got"][4].float()).all()
 
 
 @pytest.mark.gpu

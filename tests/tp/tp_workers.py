@@ -225,3 +225,50 @@ def peer_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: 
     res["flag"] = int(flag.item())
     torch.save(res, f"{out_dir}/rank{rank}.pt")
     tp_group.close_group()
+
+
+def shared_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+                       silent_step: int) -> None:
+    """One gloo rank (interpreted kernels) on the shared-file ring: before producing each step it
+    sleeps a rank- and step-dependent time (producers and consumers of different ranks overlap
+    in every order); rank world − 1 never produces step `silent_step` (−1: it always does), so
+    the consumers of that step must end in the failure flag within their bound."""
+    _setup()
+    import random
+
+    import torch
+    from tp_harness import RING_HIDDEN, RING_LIVE, RING_ROWS, ring_partial, ring_tail_inputs
+
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.peer_ring import shared_file_ring
+    from kernels.tails import moe_tail
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="gloo", timeout_s=timeout_s)
+    ring = shared_file_ring(g, RING_ROWS, RING_HIDDEN, out_dir)
+    delay = random.Random(rank)
+    res = {"got": [], "want": [], "flags": [], "polls": []}
+    steps = len(RING_LIVE) if silent_step < 0 else silent_step + 1
+    for t in range(steps):
+        n = RING_LIVE[t]
+        time.sleep(delay.uniform(0.0, 0.05))
+        if (rank, t) != (world - 1, silent_step):
+            ring.produce(t)[:n] = ring_partial(rank, t)[:n]
+        h, w = ring_tail_inputs(t)
+        flag = torch.zeros(1, dtype=torch.int32)
+        polls = torch.zeros(RING_ROWS, dtype=torch.int32)
+        got = moe_tail(ring.consume(t), h, w, torch.tensor([n], dtype=torch.int32), flag,
+                       eps=1e-6, ffn_out_scale=0.5, max_polls=20000 if t != silent_step else 50,
+                       rearm=ring.rearm(t), polls=polls)
+        stacked = torch.stack([ring_partial(p, t) for p in range(world)])
+        want = moe_tail(stacked, h, w, torch.tensor([n], dtype=torch.int32),
+                        torch.zeros(1, dtype=torch.int32), eps=1e-6, ffn_out_scale=0.5,
+                        max_polls=1)
+        res["got"].append(got.xn[:n].clone())
+        res["want"].append(want.xn[:n].clone())
+        res["flags"].append(int(flag.item()))
+        res["polls"].append(polls.clone())
+    torch.save(res, f"{out_dir}/rank{rank}.pt")
+    g_done = torch.zeros(1)
+    torch.distributed.all_reduce(g_done)  # nobody unmaps its ring while a peer still reads it
+    tp_group.close_group()
