@@ -256,12 +256,13 @@ def wait_ready(ptrs, mask, max_polls):
 
 
 @triton.jit
-def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr, flag_ptr,
-              row, n, cols, cmask, max_polls,
+def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar, polls_ptr,
+              flag_ptr, row, n, cols, cmask, max_polls,
               NPART: tl.constexpr, REARM: tl.constexpr, WRITE_POLLS: tl.constexpr,
-              TABLE: tl.constexpr, PART_BF16: tl.constexpr):
+              TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr):
     """Prologue of a consumer's row program: wait for Σ partials of `row`, raise the flag on a
-    timeout, re-arm this row of `rearm` once ready. → (FP32 sum [BLOCK_H], ready, live).
+    timeout, re-arm this row of `rearm` (each of its REARM_PARTS buffers) once ready.
+    → (FP32 sum [BLOCK_H], ready, live).
     A padding row (row ≥ n) with re-arming polls row 0 instead: it needs the evidence that this
     step's producers ran, not the data (so a re-arming step must have n ≥ 1). Without re-arming a
     padding row has nothing to wait for: it makes no poll and raises no flag — also when n = 0,
@@ -281,7 +282,9 @@ def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr, f
     if not REARM:
         fail = fail & live
     tl.store(flag_ptr, 1, mask=fail)
-    if REARM:
+    if REARM:  # REARM_PARTS buffers [R, H] stride_an apart (a rank's split-K partials)
         nan = tl.full(cols.shape, float("nan"), tl.float32).to(rearm_ptr.dtype.element_ty)
-        tl.store(rearm_ptr + row * stride_ar + cols, nan, mask=cmask & (ready != 0))
+        for i in tl.static_range(REARM_PARTS):
+            tl.store(rearm_ptr + i * stride_an + row * stride_ar + cols, nan,
+                     mask=cmask & (ready != 0))
     return acc, ready, live

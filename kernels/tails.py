@@ -68,17 +68,18 @@ def _rms(x, w, eps, HIDDEN: tl.constexpr):
 def _attn_row_program(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
     q_ptr, s_ptr,
-    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar, stride_qr, stride_sr,
-    row, n, eps, scale, max_polls,
+    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an, stride_ar, stride_qr,
+    stride_sr, row, n, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
+    REARM_PARTS: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
-    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar,
+    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
-                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16)
+                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
     m = cmask & live
     a = _bf16(acc)  # the o_proj output a
     w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -105,7 +106,7 @@ def _attn_row_program(
 def _attn_tail_kernel(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr,
     n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr,
-    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
+    stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an, stride_ar,
     stride_ir, stride_ik, stride_wr, stride_wk, stride_qr, stride_sr,
     ROWS, eps, scale, max_polls, router_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
@@ -113,17 +114,17 @@ def _attn_tail_kernel(
     BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
-    TABLE: tl.constexpr, PART_BF16: tl.constexpr,
+    TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n = tl.load(n_live_ptr)
     if pid < ROWS:
         _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
                           polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr,
-                          stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_ar,
-                          stride_qr, stride_sr, pid, n, eps, scale, max_polls,
+                          stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an,
+                          stride_ar, stride_qr, stride_sr, pid, n, eps, scale, max_polls,
                           HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS,
-                          TABLE, PART_BF16)
+                          TABLE, PART_BF16, REARM_PARTS)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
@@ -136,19 +137,20 @@ def _attn_tail_kernel(
 def _moe_tail_kernel(
     part_ptr, h_ptr, w_ptr, xn_ptr, x_ptr, rearm_ptr, polls_ptr, flag_ptr, n_live_ptr,
     q_ptr, s_ptr,
-    stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_ar, stride_qr, stride_sr,
-    eps, scale, max_polls,
+    stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_an, stride_ar, stride_qr,
+    stride_sr, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
+    REARM_PARTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     n = tl.load(n_live_ptr)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
-    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_ar, polls_ptr,
-                                 flag_ptr, row, n, cols, cmask, max_polls,
-                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16)
+    acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
+                                 polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
+                                 NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
     m = cmask & live
     f = _bf16(acc)  # the experts' output f
     h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
@@ -227,7 +229,12 @@ def _check_common(p: PartialsArg, n_live, fail_flag, max_polls, rearm, polls, cf
     if not isinstance(max_polls, int) or not 1 <= max_polls < 2**31:
         raise ValueError(f"max_polls: expected an int in [1, 2^31), got {max_polls!r}")
     if rearm is not None:
-        _check_rows("rearm", rearm, rows, hidden, (p.dtype,), dev)
+        if not isinstance(rearm, torch.Tensor) or rearm.dim() not in (2, 3):
+            raise ValueError(f"rearm: expected a tensor [R, H] or [S, R, H], got "
+                             f"{getattr(rearm, 'shape', type(rearm).__name__)}")
+        for i, part in enumerate(rearm if rearm.dim() == 3 else rearm[None]):
+            _check_rows(f"rearm[{i}]" if rearm.dim() == 3 else "rearm", part, rows, hidden,
+                        (p.dtype,), dev)
         a0, a1 = span(rearm)
         if any(a0 < b1 and b0 < a1 for b0, b1 in p.spans):
             raise ValueError("rearm: overlaps the partials being consumed; a consumer re-arms "
@@ -235,6 +242,14 @@ def _check_common(p: PartialsArg, n_live, fail_flag, max_polls, rearm, polls, cf
     if polls is not None:
         check_tensor("polls", polls, shape=(rows,), dtypes=(torch.int32,), device=dev)
     return npart, rows, hidden, n
+
+
+def _rearm_args(rearm, dummy) -> tuple:
+    """→ (pointer arg, part stride, row stride, parts) of an [R, H] / [S, R, H] re-arm target."""
+    if rearm is None:
+        return dummy, 0, 0, 1
+    parts = rearm if rearm.dim() == 3 else rearm[None]
+    return rearm, parts.stride(0), parts.stride(1), parts.shape[0]
 
 
 def attn_tail(
@@ -248,7 +263,8 @@ def attn_tail(
     eps: float,
     attn_out_scale: float,
     max_polls: int,
-    rearm: torch.Tensor | None = None,  # [R, H] own buffer of step t − lag (kernels/readiness.py)
+    rearm: torch.Tensor | None = None,  # [R, H] | [S, R, H] own buffer(s) of step t − lag
+    #                                     (kernels/readiness.py)
     router_w: torch.Tensor | None = None,  # [E, H] fp32, contiguous
     top_k: int = 0,
     scratch: RouterScratch | None = None,
@@ -324,12 +340,13 @@ def attn_tail(
     ids, wts = (out.ids, out.weights) if router else (dummy, dummy)
     sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
+    re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, dummy)
     _attn_tail_kernel[(rows + n_route,)](
         p.arg, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
-        dummy if rearm is None else rearm, dummy if polls is None else polls, fail_flag, n,
+        re_ptr, dummy if polls is None else polls, fail_flag, n,
         sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts, q, s,
         p.stride_n, p.stride_r, xn.stride(0), out.h.stride(0),
-        out.f_in.stride(0), 0 if rearm is None else rearm.stride(0),
+        out.f_in.stride(0), stride_an, stride_ar,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
         rows, eps, attn_out_scale, max_polls, router_max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
@@ -337,7 +354,7 @@ def attn_tail(
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_pow2(-(-hidden // 128)),
-        TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
+        TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
         num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out
@@ -379,15 +396,16 @@ def moe_tail(
     x = out.xn if out.x is None else out.x
     out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
+    re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, out.xn)
     _moe_tail_kernel[(rows,)](
-        p.arg, h, next_norm, out.xn, x, out.xn if rearm is None else rearm,
+        p.arg, h, next_norm, out.xn, x, re_ptr,
         out.xn if polls is None else polls, fail_flag, n, q, s,
         p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
-        0 if rearm is None else rearm.stride(0), q.stride(0), s.stride(0),
+        stride_an, stride_ar, q.stride(0), s.stride(0),
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
         GROUPS=_pow2(-(-hidden // 128)), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
+        REARM_PARTS=re_parts, num_warps=cfg.num_warps, enable_fp_fusion=False,
     )
     return out

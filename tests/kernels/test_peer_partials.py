@@ -136,3 +136,24 @@ def test_bad_peer_buffers_are_named(device):
         call(p, rearm=p.buffers[1])
     with pytest.raises(ValueError, match="expected 1..16 partials"):
         call(PeerPartials.of([f32(8, 128)] * 17))
+
+
+def test_rearm_of_a_ranks_split_k_partials(device):
+    """A rank's slot holds its S split-K partials [S, R, H]: the consumer re-arms all S of them
+    (every row), and leaves the slot it reads alone; a malformed re-arm target is named."""
+    case = next(c for c in CASES if c.name == "tiny-5of8-N2")
+    d = on(make_inputs(case, 21), device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    spare = torch.full((3, case.rows, case.hidden), 5.0, device=device)
+    before = d["partials"].clone()
+    moe_tail(scattered(d["partials"]), d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+             ffn_out_scale=FFN_SCALE, max_polls=4, rearm=spare)
+    assert flag.item() == 0 and torch.isnan(spare.cpu()).all()
+    assert torch.equal(d["partials"].cpu().nan_to_num(7.0), before.cpu().nan_to_num(7.0))
+    with pytest.raises(ValueError, match=r"rearm\[0\]: expected unit column stride"):
+        moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                 ffn_out_scale=FFN_SCALE, max_polls=4,
+                 rearm=torch.zeros(2, case.hidden, case.rows, device=device).transpose(1, 2))
+    with pytest.raises(ValueError, match=r"rearm: expected a tensor \[R, H\] or \[S, R, H\]"):
+        moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                 ffn_out_scale=FFN_SCALE, max_polls=4, rearm=spare[None])
