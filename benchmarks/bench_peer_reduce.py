@@ -109,7 +109,7 @@ def _run(cfg: BenchConfig, out: Path) -> None:
 
     def check(n: int, n_live) -> None:
         t = step["t"]
-        ring.produce(t)[:n] = src[0][:n]
+        ring.produce(t)[0, :n] = src[0][:n]
         got = tail(ring.consume(t), n_live, ring.rearm(t)).xn[:n].clone()
         step["t"] += 1
         gathered = torch.empty(g.world, r_buf, h_dim, device=dev)
@@ -128,7 +128,7 @@ def _run(cfg: BenchConfig, out: Path) -> None:
 
         def peer_call(j, n=n, n_live=n_live):
             def call():  # step j of a graph: slot j mod 3, as the steps before it left the ring
-                ring.produce(j)[:n] = src[j % 2][:n]
+                ring.produce(j)[0, :n] = src[j % 2][:n]
                 tail(ring.consume(j), n_live, ring.rearm(j))
             return call
 

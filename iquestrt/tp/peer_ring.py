@@ -1,17 +1,20 @@
 """The partial-buffer ring of the fused all-reduce over peer memory (issue 8 (3)): each rank q
-owns B slots P_q[0..B) of [R, H] FP32 — in GPU symmetric memory, so that every peer can read
-them — and at reduction step t
+owns B slots P_q[0..B) of [S, R, H] FP32 (S partials per rank: the O projection's split-K
+partials, or the experts' one) — in GPU symmetric memory, so that every peer can read them —
+and at reduction step t
 
   producer(t) on q   writes its partial into P_q[t mod B]               (produce(t))
-  consumer(t) on q   sums P_0 … P_{N−1}[t mod B] in rank order, polling  (consume(t): the
-                     until NaN-free (kernels/readiness.py), then re-arms   PeerPartials of the
-                     its own P_q[(t − 1) mod B] with NaN                   slot; rearm(t))
+  consumer(t) on q   sums P_0 … P_{N−1}[t mod B] in rank order (each      (consume(t): the
+                     rank's S partials in order), polling until NaN-free  PeerPartials of the
+                     (kernels/readiness.py), then re-arms its own          slot; rearm(t))
+                     P_q[(t − 1) mod B] (all S) with NaN
 
 with the ring policy's B = 3, lag 1 (kernels/readiness.py proves the reuse safe and
 tests/kernels/test_readiness.py checks it). The consumer is a tail kernel reading the peers'
 slots through a table of addresses (kernels/peer_partials.py); one table per slot, made once, so
 captured CUDA graphs replay them. Rank order in the table = rank order of the sum on every rank,
-so every rank computes the same bits.
+so every rank computes the same bits — and the bits of the all-gathered [N·S, R, H] partials
+summed in that order (iquestrt/tp/model.py's gather path).
 
 `symmetric_ring` allocates the ring in torch symmetric memory on a CUDA process group (one GPU
 per rank; NVLink multicast stays off: iquestrt/tp/group.py). `shared_file_ring` is its CPU
@@ -19,7 +22,7 @@ stand-in for gloo ranks on one host: each rank's ring is a shared file mapping t
 maps too, so interpreted tails poll slots that other processes write, concurrently. `PeerRing`
 itself takes any views [B, R, H] per rank (tests also emulate ranks on one device).
 
-Dimension letters: B ring slots, N ranks, R rows, H hidden.
+Dimension letters: B ring slots, N ranks, S partials per rank, R rows, H hidden.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from kernels.readiness import RingPolicy
 
 class PeerRing:
     def __init__(self, views, rank: int, policy: RingPolicy | None = None, keep=None):
-        """views[p]: rank p's ring [B, R, H] fp32 as this rank addresses it (its own memory for
+        """views[p]: rank p's ring [B, S, R, H] fp32 as this rank addresses it (its own memory for
         p = rank, a peer mapping otherwise); keep: what must outlive the views (the symmetric
         memory handle)."""
         self.policy = policy or RingPolicy()
@@ -48,25 +51,26 @@ class PeerRing:
             raise ValueError(f"PeerRing: rank {rank} outside [0, {len(views)})")
         b = self.policy.buffers
         for p, v in enumerate(views):
-            if v.dim() != 3 or v.shape[0] != b or v.shape != views[0].shape:
+            if v.dim() != 4 or v.shape[0] != b or v.shape != views[0].shape:
                 raise ValueError(f"PeerRing: views[{p}] has shape {tuple(v.shape)}; expected "
-                                 f"[{b}, R, H] like views[0] {tuple(views[0].shape)}")
+                                 f"[{b}, S, R, H] like views[0] {tuple(views[0].shape)}")
             if v.dtype != torch.float32 or not v.is_contiguous():
                 raise ValueError(f"PeerRing: views[{p}] must be contiguous fp32, got {v.dtype}")
         self.views, self.rank, self.keep = views, rank, keep
-        self.slots = tuple(PeerPartials.of([v[s] for v in views]) for s in range(b))
+        self.slots = tuple(PeerPartials.of([v[s, i] for v in views for i in range(v.shape[1])])
+                           for s in range(b))
 
     @property
     def ranks(self) -> int:
         return len(self.views)
 
-    def produce(self, step: int) -> torch.Tensor:  # [R, H] this rank's slot of step t
+    def produce(self, step: int) -> torch.Tensor:  # [S, R, H] this rank's slot of step t
         return self.views[self.rank][self.policy.read_slot(step)]
 
     def consume(self, step: int) -> PeerPartials:  # every rank's slot of step t, rank order
         return self.slots[self.policy.read_slot(step)]
 
-    def rearm(self, step: int) -> torch.Tensor:  # [R, H] this rank's slot of step t − lag
+    def rearm(self, step: int) -> torch.Tensor:  # [S, R, H] this rank's slot of step t − lag
         return self.views[self.rank][self.policy.rearm_slot(step)]
 
     def arm(self) -> None:
@@ -75,7 +79,8 @@ class PeerRing:
         self.views[self.rank].fill_(float("nan"))
 
 
-def symmetric_ring(group, rows: int, hidden: int, policy: RingPolicy | None = None) -> PeerRing:
+def symmetric_ring(group, rows: int, hidden: int, parts: int = 1,
+                   policy: RingPolicy | None = None) -> PeerRing:
     """A PeerRing in torch symmetric memory on `group` (an initialized NCCL TPGroup, one GPU per
     rank): collective — every rank calls it with the same shape. Armed and synchronized across
     ranks on return."""
@@ -87,7 +92,7 @@ def symmetric_ring(group, rows: int, hidden: int, policy: RingPolicy | None = No
                          "memory does not exist between CPU processes")
     group.require_initialized("tp.peer_ring")
     policy = policy or RingPolicy()
-    shape = (policy.buffers, rows, hidden)
+    shape = (policy.buffers, parts, rows, hidden)
     buf = symm_mem.empty(*shape, dtype=torch.float32, device=group.device)
     buf.fill_(float("nan"))
     name = dist.group.WORLD.group_name
@@ -102,7 +107,7 @@ def symmetric_ring(group, rows: int, hidden: int, policy: RingPolicy | None = No
 
 
 def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring",
-                     policy: RingPolicy | None = None) -> PeerRing:
+                     parts: int = 1, policy: RingPolicy | None = None) -> PeerRing:
     """A PeerRing of CPU ranks (gloo, one host) in shared file mappings DIRECTORY/NAME-rank<q>.bin
     (a directory every rank sees; the files stay until the caller removes the directory).
     Collective; armed and synchronized across ranks on return."""
@@ -113,7 +118,8 @@ def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring
                          "ranks use symmetric_ring")
     group.require_initialized("tp.peer_ring")
     policy = policy or RingPolicy()
-    shape, numel = (policy.buffers, rows, hidden), policy.buffers * rows * hidden
+    shape = (policy.buffers, parts, rows, hidden)
+    numel = policy.buffers * parts * rows * hidden
     files = [Path(directory) / f"{name}-rank{p}.bin" for p in range(group.world)]
     own = torch.from_file(str(files[group.rank]), shared=True, size=numel, dtype=torch.float32)
     own.fill_(float("nan"))

@@ -31,8 +31,9 @@ from kernels.tails import moe_tail
 NAN = float("nan")
 
 
-def emulated(ranks: int, device) -> list[PeerRing]:
-    views = [torch.full((3, RING_ROWS, RING_HIDDEN), NAN, device=device) for _ in range(ranks)]
+def emulated(ranks: int, device, parts: int = 1) -> list[PeerRing]:
+    views = [torch.full((3, parts, RING_ROWS, RING_HIDDEN), NAN, device=device)
+             for _ in range(ranks)]
     return [PeerRing(views, q) for q in range(ranks)]
 
 
@@ -45,18 +46,21 @@ def tail(parts, t: int, flag, device, rearm=None, max_polls=3):
     return out.xn[: RING_LIVE[t]].cpu(), polls.cpu()
 
 
-def stacked(ranks: int, t: int, device) -> torch.Tensor:
-    return torch.stack([ring_partial(p, t) for p in range(ranks)]).to(device)
+def stacked(ranks: int, t: int, device, parts: int = 1) -> torch.Tensor:
+    """[N·S, R, H]: rank-major, a rank's S partials in order (the all-gather's layout)."""
+    return torch.stack([ring_partial(10 * p + i, t) for p in range(ranks)
+                        for i in range(parts)]).to(device)
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_emulated_ranks_reduce_through_the_ring(ranks, device):
-    rings = emulated(ranks, device)
+@pytest.mark.parametrize("ranks,parts", [(2, 1), (3, 1), (2, 3)])
+def test_emulated_ranks_reduce_through_the_ring(ranks, parts, device):
+    rings = emulated(ranks, device, parts)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     for t, n in enumerate(RING_LIVE):
         for p, ring in enumerate(rings):
-            ring.produce(t)[:n] = ring_partial(p, t)[:n].to(device)
-        want, _ = tail(stacked(ranks, t, device), t, flag, device)
+            for i in range(parts):
+                ring.produce(t)[i, :n] = ring_partial(10 * p + i, t)[:n].to(device)
+        want, _ = tail(stacked(ranks, t, device, parts), t, flag, device)
         for q, ring in enumerate(rings):
             got, polls = tail(ring.consume(t), t, flag, device, rearm=ring.rearm(t))
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
@@ -66,7 +70,7 @@ def test_emulated_ranks_reduce_through_the_ring(ranks, device):
         for q, ring in enumerate(rings):
             views = ring.views[q].cpu()
             assert torch.isnan(views[(t - 1) % 3]).all(), f"step {t}: rank {q} not re-armed"
-            assert not torch.isnan(views[t % 3][:n]).any(), f"step {t}: rank {q} slot erased"
+            assert not torch.isnan(views[t % 3][:, :n]).any(), f"step {t}: rank {q} erased"
 
 
 def test_a_late_producer_is_caught_and_without_rearm_consumed_stale(device):
@@ -80,7 +84,7 @@ def test_a_late_producer_is_caught_and_without_rearm_consumed_stale(device):
             n = RING_LIVE[t]
             for p, ring in enumerate(rings):
                 if (p, t) != (1, 3):
-                    ring.produce(t)[:n] = ring_partial(p, t)[:n].to(device)
+                    ring.produce(t)[0, :n] = ring_partial(10 * p, t)[:n].to(device)
             got, polls = tail(rings[0].consume(t), t, flag, device,
                               rearm=rings[0].rearm(t) if rearming else None)
             if t < 3:
@@ -98,13 +102,15 @@ def test_a_late_producer_is_caught_and_without_rearm_consumed_stale(device):
 
 
 def test_ring_refusals(device):
-    v = [torch.full((3, 8, 128), NAN, device=device) for _ in range(2)]
+    v = [torch.full((3, 2, 8, 128), NAN, device=device) for _ in range(2)]
     with pytest.raises(ValueError, match="unsafe"):
         PeerRing([x[:2] for x in v], 0, RingPolicy(buffers=2))
     with pytest.raises(ValueError, match=r"rank 2 outside \[0, 2\)"):
         PeerRing(v, 2)
-    with pytest.raises(ValueError, match=r"views\[1\] has shape \(3, 8, 64\)"):
-        PeerRing([v[0], v[1][:, :, :64].contiguous()], 0)
+    with pytest.raises(ValueError, match=r"views\[1\] has shape \(3, 2, 8, 64\)"):
+        PeerRing([v[0], v[1][..., :64].contiguous()], 0)
+    with pytest.raises(ValueError, match=r"views\[0\] has shape \(3, 8, 128\)"):
+        PeerRing([x[:, 0] for x in v], 0)
     with pytest.raises(ValueError, match=r"views\[0\] must be contiguous fp32"):
         PeerRing([v[0].bfloat16(), v[1]], 0)
     with pytest.raises(ValueError, match="one view per rank"):

@@ -210,7 +210,7 @@ def peer_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: 
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     res = {"got": [], "want": [], "polls": []}
     for t, n in enumerate(RING_LIVE):
-        ring.produce(t)[:n] = ring_partial(rank, t)[:n].to(dev)
+        ring.produce(t)[0, :n] = ring_partial(rank, t)[:n].to(dev)
         h, w = (x.to(dev) for x in ring_tail_inputs(t))
         n_live = torch.tensor([n], dtype=torch.int32, device=dev)
         polls = torch.zeros(RING_ROWS, dtype=torch.int32, device=dev)
@@ -253,7 +253,7 @@ def shared_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s
         n = RING_LIVE[t]
         time.sleep(delay.uniform(0.0, 0.05))
         if (rank, t) != (world - 1, silent_step):
-            ring.produce(t)[:n] = ring_partial(rank, t)[:n]
+            ring.produce(t)[0, :n] = ring_partial(rank, t)[:n]
         h, w = ring_tail_inputs(t)
         flag = torch.zeros(1, dtype=torch.int32)
         polls = torch.zeros(RING_ROWS, dtype=torch.int32)
