@@ -110,6 +110,10 @@ def _build() -> argparse.ArgumentParser:
                    help="runtime: tensor-parallel ranks; start under torchrun with as many "
                         "processes (`torchrun --nproc-per-node N -m iquestrt.cli generate --tp "
                         "N …`); rank 0 prints")
+    g.add_argument("--tp-reduce", choices=("gather", "peer"), default="gather",
+                   help="runtime with --tp: 'gather' all-gathers the partials; 'peer': the tails "
+                        "read every rank's ring slot directly (GPU symmetric memory; needs "
+                        "--ops kernels)")
     g.add_argument("--stream", action="store_true",
                    help="print tokens (text with a tokenizer) as they are decoded")
     g.add_argument("--quiet", action="store_true", help="no progress display")

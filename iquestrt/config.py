@@ -16,6 +16,7 @@ from reference.depth import AdaptiveDepth, FixedDepth
 
 OPS_BACKENDS = ("kernels", "twins")
 LOOPS = ("host", "device")
+TP_REDUCES = ("gather", "peer")
 KERNEL_WIDTH = 8  # rows of the padded buffers: the tails' router handles at most 8 rows
 
 
@@ -43,6 +44,9 @@ class RuntimeConfig:
     wait_s: float = 300.0  # longest wait for launched rounds before the request fails
     prefetch: bool = True  # expert prefetch on sliding layers when the checkpoint ships a
     # predictor (prefetch.safetensors; iquestrt/prefetch.py); never changes a bit
+    tp_reduce: str = "gather"  # tensor parallelism: "gather" all-gathers the partials; "peer":
+    # the tails read every rank's ring slot directly (iquestrt/tp/peer_ring.py; kernels ops)
+    peer_max_polls: int = 1 << 24  # a tail's polls for peers' slots (ranks may lag: generous)
 
     def __post_init__(self) -> None:
         _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")
@@ -79,6 +83,15 @@ class RuntimeConfig:
             f"must be an int in [1, 64], got {self.sync_rounds!r}",
         )
         _require(self.loop in LOOPS, "loop", f"choose one of {LOOPS}, got {self.loop!r}")
+        _require(self.tp_reduce in TP_REDUCES, "tp_reduce",
+                 f"choose one of {TP_REDUCES}, got {self.tp_reduce!r}")
+        _require(self.tp_reduce != "peer" or self.ops == "kernels", "tp_reduce",
+                 "'peer' needs ops='kernels' (the twins read partials as one tensor)")
+        _require(
+            isinstance(self.peer_max_polls, int) and 1 <= self.peer_max_polls < 2**31,
+            "peer_max_polls",
+            f"must be an int in [1, 2^31), got {self.peer_max_polls!r}",
+        )
         _require(
             self.loop == "host" or self.graphs,
             "loop",

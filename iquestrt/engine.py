@@ -92,6 +92,8 @@ def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 class Engine:
+    TENSOR_PARALLEL = False  # TPEngine: True
+
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, prefetcher=None):
         cfg = weights.cfg
         rcfg.validate_for(cfg)
@@ -101,6 +103,10 @@ class Engine:
         if weights.max_positions < rcfg.positions_cap(cfg):
             raise ValueError(f"Engine: RoPE tables cover {weights.max_positions} positions, "
                              f"RuntimeConfig.max_positions needs {rcfg.positions_cap(cfg)}")
+        if rcfg.tp_reduce != "gather" and not self.TENSOR_PARALLEL:
+            raise ValueError(f"Engine: RuntimeConfig.tp_reduce {rcfg.tp_reduce!r} applies to "
+                             "tensor parallelism (iquestrt.tp.engine.TPEngine); one rank has no "
+                             "partials to reduce")
         self.w, self.rcfg, self.cfg = weights, rcfg, cfg
         self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls)
         self.target = TargetModel(weights, self.ops, rcfg.max_width,

@@ -40,6 +40,7 @@ from kernels import sampler as k_sampler
 from kernels import tails as k_tails
 from kernels import verify as k_verify
 from kernels.fp8 import E4M3
+from kernels.peer_partials import RingRead
 from kernels.sampler import SampleOut
 from kernels.sampler_values import DeviceSampling
 from kernels.verify import VerifyOut
@@ -80,6 +81,12 @@ class Live:
 def _rows(n: int, fn) -> torch.Tensor:
     """[n, …]: fn(r) [1, …] for each live row r, one twin call per row."""
     return torch.cat([fn(r) for r in range(n)])
+
+
+def _tensor_parts(parts) -> None:
+    if not isinstance(parts, torch.Tensor):
+        raise ValueError(f"twins: partials must be one tensor [N, R, H], got "
+                         f"{type(parts).__name__} (peer reduction needs ops='kernels')")
 
 
 def _padded(live_rows: torch.Tensor, rows: int, device, fill=NAN) -> torch.Tensor:
@@ -175,6 +182,7 @@ class TwinOps:
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
                   attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:
+        _tensor_parts(parts)
         outs = [t_tails.attn_tail_ref(parts[:, r : r + 1], xn[r : r + 1], attn_out_norm, ffn_norm,
                                       1, flag, eps=eps, attn_out_scale=attn_out_scale,
                                       router_w=router_w, top_k=top_k)
@@ -191,6 +199,7 @@ class TwinOps:
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False) -> MoeTailOut:
+        _tensor_parts(parts)
         xn = _rows(live.n, lambda r: t_tails.moe_tail_ref(
             parts[:, r : r + 1], h[r : r + 1], next_norm, 1, flag, eps=eps,
             ffn_out_scale=ffn_out_scale).xn)
@@ -356,16 +365,24 @@ class KernelOps:
             if key not in self._scratch:
                 self._scratch[key] = k_tails.RouterScratch.create(key[1], key[0], self.dev)
             scratch = self._scratch[key]
+        parts, rearm, polls = self._read(parts)
         return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
-                                 attn_out_scale=attn_out_scale, max_polls=self.max_polls,
+                                 attn_out_scale=attn_out_scale, max_polls=polls, rearm=rearm,
                                  router_w=router_w, top_k=top_k, scratch=scratch,
                                  quantize=quantize)
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False) -> MoeTailOut:
+        parts, rearm, polls = self._read(parts)
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
-                                ffn_out_scale=ffn_out_scale, max_polls=self.max_polls,
+                                ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
                                 quantize=quantize)
+
+    def _read(self, parts):
+        """Partials [N, R, H], or a RingRead of peers' slots → (partials, re-arm, poll bound)."""
+        if isinstance(parts, RingRead):
+            return parts.partials, parts.rearm, parts.max_polls
+        return parts, None, self.max_polls
 
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
             ) -> torch.Tensor:

@@ -129,6 +129,7 @@ def _runtime(a, ckpt, req, policy):
         policy=policy,
         graphs=a.graphs,
         loop=a.loop,
+        tp_reduce=a.tp_reduce,
     )
     if a.tp > 1:
         engine = _tp_engine(ckpt, rcfg)
@@ -143,6 +144,9 @@ def _check_tp(a) -> None:
     if not isinstance(a.tp, int) or not 1 <= a.tp <= 8:
         raise ValueError(f"--tp: must be in [1, 8], got {a.tp}")
     if a.tp == 1:
+        if a.tp_reduce != "gather":
+            raise ValueError(f"--tp-reduce {a.tp_reduce}: applies to --tp N >= 2 (one rank has "
+                             "no partials to reduce)")
         return
     world = os.environ.get("WORLD_SIZE")
     if world is None:

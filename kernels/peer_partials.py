@@ -57,6 +57,16 @@ class PeerPartials:
         return self.buffers[0].stride(0)
 
 
+@dataclass(frozen=True)
+class RingRead:
+    """A tail's read of one ring slot (iquestrt/tp/peer_ring.py): the slot's partials, the
+    consumer's own re-arm target of the previous step, and its poll bound."""
+
+    partials: PeerPartials
+    rearm: torch.Tensor  # [S, R, H]
+    max_polls: int
+
+
 def check_peer_partials(p: PeerPartials) -> None:
     """Host metadata only (no device read: the tails are launched inside captured rounds): the
     buffers agree and the table is [N] int64 on their device. Its contents are what `of` wrote."""

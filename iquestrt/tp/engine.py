@@ -4,6 +4,9 @@ replicated (every rank runs the whole draft on the same inputs, so its tokens ag
 broadcast). Every rank runs the same request and, since sampling picks the same token on every
 rank (iquestrt/tp/sampling.py), the same rounds: tokens, acceptance and cache settlement agree.
 
+RuntimeConfig.tp_reduce = "peer": the O and expert partials go through rings the tails read on
+every rank (iquestrt/tp/peer_ring.py) instead of all-gathers; same bits.
+
 Not yet: CUDA graphs with TP (the sharded sampler reads the seed and sampling values from the
 device already; the collectives inside a captured round are untried) — refused with a clear
 error.
@@ -20,9 +23,11 @@ from iquestrt.engine import Engine
 from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.model import TPTargetModel
+from iquestrt.tp.peer_ring import make_rings
 from iquestrt.tp.sampling import ShardedSampler, make_sharded_sampler
 from iquestrt.tp.shard import shard_weights
 from iquestrt.weights import Weights
+from kernels.linear import linear_fp8_splits
 
 
 class TPOps:
@@ -44,6 +49,8 @@ class TPOps:
 
 
 class TPEngine(Engine):
+    TENSOR_PARALLEL = True
+
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, group: TPGroup):
         """weights: the full model (each rank cuts its share); group: this rank's TPGroup."""
         if rcfg.graphs:
@@ -57,7 +64,12 @@ class TPEngine(Engine):
         self.group, self.full_cfg = group, full
         self.ops = TPOps(self.ops, make_sharded_sampler(rcfg.ops, group,
                                                         full.target.vocab_size))
-        self.target = TPTargetModel(rank_w, plans, self.ops, rcfg.max_width, group)
+        rings = None
+        if rcfg.tp_reduce == "peer":
+            o_w = rank_w.layers[0].attn.o.w  # [H, Po]: every layer's O projection has this shape
+            rings = make_rings(group, rcfg.max_width, full.target.hidden_size,
+                               linear_fp8_splits(*o_w.shape), rcfg.peer_max_polls)
+        self.target = TPTargetModel(rank_w, plans, self.ops, rcfg.max_width, group, rings)
         # the draft is whole on every rank: it reads the full model's head counts
         self.draft = DraftModel(dataclasses.replace(rank_w, cfg=full), self.ops, rcfg.max_width)
 

@@ -12,8 +12,10 @@ layer where the single-rank model has one device.
   dense layer 0: the rank's channels, down projection in FP32 → all-gather → summed in rank
     order → rounded to BF16 as the single-rank path rounds its down projection;
   lm_head: the rank's vocabulary rows → logits [R, V/N] (plan.vocab's runs).
-The all-gather of partials stands in for the fused all-reduce over peer buffers (issue 8's GPU
-part); its sums are the tails' own, so the readiness protocol sees the same parts.
+With `rings` (RuntimeConfig.tp_reduce = "peer") there is no all-gather for O and MoE partials:
+each rank writes its partials into its slot of a ring and the tails read every rank's slot
+directly (iquestrt/tp/peer_ring.py), summing the same partials in the same order — the same
+bits as the all-gather. Layer 0's dense down projection stays an all-gather.
 
 Against the single-rank model the sums run in another order (partials per rank) and activation
 quantization sees the rank's channels in their own 128-groups: results agree within the
@@ -29,6 +31,7 @@ import torch
 from iquestrt.model import TargetModel, attention_block
 from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup, all_gather
+from iquestrt.tp.peer_ring import TPRings
 from iquestrt.tp.shard import RankPlans
 from iquestrt.weights import Weights
 
@@ -36,12 +39,13 @@ WHERE = "tp.model"
 
 
 class TPTargetModel(TargetModel):
-    def __init__(self, weights: Weights, plans: RankPlans, ops, width: int, group: TPGroup):
+    def __init__(self, weights: Weights, plans: RankPlans, ops, width: int, group: TPGroup,
+                 rings: TPRings | None = None):
         super().__init__(weights, ops, width)
         if (group.world, group.rank) != (plans.tp, plans.rank):
             raise ValueError(f"TPTargetModel: weights of rank {plans.rank} of {plans.tp}, group "
                              f"rank {group.rank} of {group.world}")
-        self.plans, self.group = plans, group
+        self.plans, self.group, self.rings = plans, group, rings
 
     def _gather(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """Partials [S, R, H] (or one [R, H]) → every rank's, [N·S, R, H] rank-major."""
@@ -50,15 +54,19 @@ class TPTargetModel(TargetModel):
 
     def _o_partials(self, layer, xn, pos, live: Live, cache, xq=None) -> torch.Tensor:
         """xn [R, H] (xq: its quantization, or None) → every rank's O partials [N·S, R, H]
-        (this rank's heads)."""
+        (this rank's heads), or with rings their RingRead."""
         ops, t, pl = self.ops, self.t, self.plans
         o, _ = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
                                qkv_view=pl.qkv.gather, xq=xq)  # [R, q·D] this rank's heads
         o = pl.o_in.scatter(o)  # [R, Po]
         mine = ops.linear_fp8_partials(o, layer.attn.o, live)  # [S, R, H]
+        if self.rings is not None:
+            return self.rings.reduce_o(mine)
         return self._gather(mine, f"layer {layer.index} O partials")
 
-    def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:
+    def _moe_partials(self, i: int, f: torch.Tensor):
+        if self.rings is not None:
+            return self.rings.reduce_moe(f)
         return self._gather(f, f"layer {i} MoE partials")  # [N, R, H]
 
     def _down(self, act, down, live: Live) -> torch.Tensor:

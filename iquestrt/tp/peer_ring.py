@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.peer_partials import PeerPartials
+from kernels.peer_partials import PeerPartials, RingRead
 from kernels.readiness import RingPolicy
 
 
@@ -128,3 +128,64 @@ def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring
              torch.from_file(str(f), shared=True, size=numel, dtype=torch.float32).view(shape)
              for p, f in enumerate(files)]
     return PeerRing(views, group.rank, policy)
+
+
+class TPRings:
+    """A TP target's two rings — O projections (S split-K partials per rank) and expert outputs
+    (one per rank) — with their step counters: reduction steps in issue order, continuing
+    across forwards and requests, the same on every rank since every rank runs the same layers.
+    Each ring keeps the protocol on its own (its producer → consumer → next producer are stream
+    ordered whatever runs in between). After a readiness failure the slots' state is unknown:
+    `arm` on every rank, synchronized, before the next step."""
+
+    def __init__(self, o: PeerRing, moe: PeerRing, max_polls: int, directory=None):
+        self.o, self.moe, self.max_polls = o, moe, max_polls
+        self.directory = directory  # the ring files' (CPU ranks); None in GPU memory
+        self.o_step = self.moe_step = 0
+
+    def reduce_o(self, parts: torch.Tensor) -> RingRead:
+        """This rank's O partials [S, R, H] into its slot → the attention tail's read."""
+        t, self.o_step = self.o_step, self.o_step + 1
+        self.o.produce(t).copy_(parts)
+        return RingRead(self.o.consume(t), self.o.rearm(t), self.max_polls)
+
+    def reduce_moe(self, f: torch.Tensor) -> RingRead:
+        """This rank's expert output [R, H] FP32 into its slot → the MoE tail's read."""
+        t, self.moe_step = self.moe_step, self.moe_step + 1
+        self.moe.produce(t)[0].copy_(f)
+        return RingRead(self.moe.consume(t), self.moe.rearm(t), self.max_polls)
+
+    def arm(self) -> None:
+        self.o.arm()
+        self.moe.arm()
+        self.o_step = self.moe_step = 0
+
+
+def make_rings(group, rows: int, hidden: int, o_parts: int, max_polls: int,
+               directory=None) -> TPRings:
+    """Both rings of a TP target: symmetric memory on CUDA ranks, shared files on CPU ranks (in
+    `directory`, or one rank 0 makes and removes at exit). Collective."""
+    if group.backend == "nccl":
+        o = symmetric_ring(group, rows, hidden, o_parts)
+        moe = symmetric_ring(group, rows, hidden, 1)
+        return TPRings(o, moe, max_polls)
+    directory = directory or _shared_directory(group)
+    o = shared_file_ring(group, rows, hidden, directory, "o", o_parts)
+    moe = shared_file_ring(group, rows, hidden, directory, "moe", 1)
+    return TPRings(o, moe, max_polls, directory)
+
+
+def _shared_directory(group) -> str:
+    """A fresh directory made by rank 0 (removed when its process exits), named to every rank."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    name = [None]
+    if group.rank == 0:
+        name[0] = tempfile.mkdtemp(prefix="iquestrt-ring-")
+        atexit.register(shutil.rmtree, name[0], ignore_errors=True)
+    dist.broadcast_object_list(name, src=0)
+    return name[0]

@@ -64,3 +64,8 @@ def test_tp_without_torchrun_says_how(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main([*ARGS, "--tp", "2"]) == cli.EXIT_USAGE
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+
+
+def test_tp_reduce_without_tp_is_refused(capsys):
+    assert cli.main([*ARGS, "--tp-reduce", "peer"]) == cli.EXIT_USAGE
+    assert "--tp-reduce peer: applies to --tp N >= 2" in capsys.readouterr().err

@@ -13,13 +13,13 @@ import tp_workers
 from flip_check import check_greedy
 from tp_harness import free_port, spawn
 
-from iquestrt.config import RuntimeConfig
+from iquestrt.config import RuntimeConfig, RuntimeConfigError
 from iquestrt.engine import Engine
 from iquestrt.tp.engine import TPEngine
 from iquestrt.tp.group import TPGroup
 from iquestrt.weights import from_checkpoint
 from qualification import mini_engine
-from reference.checkpoint import load_checkpoint
+from reference.checkpoint import load_checkpoint, make_synthetic_checkpoint
 from reference.config import SamplingDefaults
 from reference.depth import FixedDepth
 from reference.speculative import GenerationRequest
@@ -67,3 +67,33 @@ def test_tp_engine_refuses_what_it_cannot_do():
     w = from_checkpoint(ck, "cpu", 256)
     with pytest.raises(ValueError, match="use Engine"):
         TPEngine(w, rcfg(256), TPGroup(0, 1, "gloo", torch.device("cpu"), 10.0))
+
+
+def test_the_peer_reduction_is_refused_where_it_cannot_apply():
+    with pytest.raises(RuntimeConfigError, match="tp_reduce: choose one of"):
+        rcfg(256, tp_reduce="sum")
+    with pytest.raises(RuntimeConfigError, match="'peer' needs ops='kernels'"):
+        rcfg(256, tp_reduce="peer")
+    w = from_checkpoint(load_checkpoint(mini_engine.MINI), "cpu", 256)
+    peer = RuntimeConfig(ops="kernels", ring_pad=8, max_positions=256, tp_reduce="peer")
+    with pytest.raises(ValueError, match="tp_reduce 'peer' applies to tensor parallelism"):
+        Engine(w, peer)
+
+
+def test_a_tp_engine_builds_its_rings(tmp_path):
+    """TPEngine with tp_reduce "peer" on 2 gloo ranks (interpreted kernels, tiny): both ranks use
+    the ring files of one directory rank 0 made (O ring with the O projection's split-K count,
+    MoE ring), one target forward runs through them with no readiness flag, and both ranks get
+    the same logits."""
+    d = tmp_path / "ck"
+    make_synthetic_checkpoint(d, "tiny", 0, fmt="fp8")
+    spawn(tp_workers.engine_rings_worker, 2, (2, free_port(), str(tmp_path), 60.0, str(d)),
+          240.0)
+    r = [torch.load(tmp_path / f"rank{q}.pt") for q in range(2)]
+    assert r[0]["directory"] == r[1]["directory"]
+    assert r[0]["files"] == ["moe-rank0.bin", "moe-rank1.bin", "o-rank0.bin", "o-rank1.bin"]
+    layers = load_checkpoint(d).cfg.target.num_hidden_layers
+    for q in range(2):
+        assert r[q]["o_parts"] == r[q]["made"], "O ring slots != the partials the GEMM makes"
+        assert not r[q]["flags"].any() and torch.isfinite(r[q]["logits"]).all()
+        assert r[q]["steps"] == (layers, layers - 1)  # every attention tail; MoE layers ≥ 1

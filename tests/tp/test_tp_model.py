@@ -38,10 +38,11 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def run(directory, toks: torch.Tensor, tmp, broken: str = "", ops: str = "twins") -> list[dict]:
+def run(directory, toks: torch.Tensor, tmp, broken: str = "", ops: str = "twins",
+        reduce: str = "gather") -> list[dict]:
     T = toks.shape[0] - APPENDS
     spawn(tp_workers.model_worker, WORLD, (WORLD, free_port(), str(tmp), RANK_TIMEOUT_S,
-                                          str(directory), toks[:T].tolist(), broken, ops),
+                                          str(directory), toks[:T].tolist(), broken, ops, reduce),
           SPAWN_TIMEOUT_S)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
@@ -92,10 +93,24 @@ def test_a_missing_reduction_fails_the_band(tiny_dir, tmp_path):
 
 def test_kernels_under_the_interpreter_compose_with_tp(tiny_dir, tmp_path):
     """The production kernels (interpreted) on both ranks: the partial buffers, tails with the
-    gathered partials and the sharded kernel sampler's inputs work as on a GPU."""
+    gathered partials and the sharded kernel sampler's inputs work as on a GPU. Then
+    RuntimeConfig.tp_reduce "peer": every O and expert reduction through the rings instead
+    (shared files between the two processes, the interpreted tails polling the peer's slots) —
+    the same partials summed in the same order, so the same logits and routing, bit for bit,
+    with no readiness flag."""
     ck = load_checkpoint(tiny_dir)
     toks = prompt("tiny", ck)[: 24 + APPENDS]
-    res = run(tiny_dir, toks, tmp_path, ops="kernels")
+    (tmp_path / "gather").mkdir()
+    (tmp_path / "peer").mkdir()
+    res = run(tiny_dir, toks, tmp_path / "gather", ops="kernels")
     assert torch.equal(res[0]["logits"], res[1]["logits"])
     ok, lines = judge(ck, toks, res[0])
     assert ok, lines
+    # the first two chunks (16 positions, causal: the same logits as in the longer prefill)
+    peer = run(tiny_dir, toks[: 16 + APPENDS], tmp_path / "peer", ops="kernels", reduce="peer")
+    for rank in range(WORLD):
+        assert not peer[rank]["flags"].any(), f"rank {rank}: a readiness wait timed out"
+        assert torch.equal(peer[rank]["logits"], res[rank]["logits"][:16]), f"rank {rank}"
+        routes = peer[rank]["routes"]  # (layer, ids) per chunk and MoE layer, chunk-major
+        assert [(i, x.tolist()) for i, x in routes] == \
+            [(i, x.tolist()) for i, x in res[rank]["routes"][: len(routes)]]

@@ -121,11 +121,13 @@ def failure_worker(rank: int, ports: tuple[int, int], out_dir: str, timeout_s: f
 
 
 def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float, model: str,
-                 tokens: list[int], broken: str, ops: str = "twins") -> None:
+                 tokens: list[int], broken: str, ops: str = "twins", reduce: str = "gather"
+                 ) -> None:
     """A plain prefill of `tokens` through the rank's TPTargetModel (twins, chunks of 8 rows);
     saves this rank's view of the full logits [T, V] (all ranks' slices, gathered) and the
     routing of every MoE layer. broken: "" or "local_o" (each rank's attention tail sums only
-    its own O partials: a reduction left out)."""
+    its own O partials: a reduction left out). reduce "peer": partials through the rings in
+    shared files under out_dir (iquestrt/tp/peer_ring.py) instead of all-gathers."""
     _setup()
     import torch
 
@@ -144,7 +146,14 @@ def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
     cap = len(tokens) + 8
     w, plans = shard_weights(from_checkpoint(ck, "cpu", cap), world, rank)
     rcfg = RuntimeConfig(ops=ops, ring_pad=8, max_positions=cap)
-    tm = TPTargetModel(w, plans, make_ops(ops, "cpu", rcfg.max_polls), 8, g)
+    rings = None
+    if reduce == "peer":
+        from iquestrt.tp.peer_ring import make_rings
+        from kernels.linear import linear_fp8_splits
+
+        rings = make_rings(g, 8, w.cfg.target.hidden_size,
+                           linear_fp8_splits(*w.layers[0].attn.o.w.shape), 1 << 24, out_dir)
+    tm = TPTargetModel(w, plans, make_ops(ops, "cpu", rcfg.max_polls), 8, g, rings)
     if broken == "local_o":
         tm._gather = lambda x, what: x if x.dim() == 3 else x[None]  # this rank's partials only
     caches = RuntimeCaches.create(w.cfg, rcfg, cap, torch.device("cpu"))
@@ -271,4 +280,39 @@ def shared_ring_worker(rank: int, world: int, port: int, out_dir: str, timeout_s
     torch.save(res, f"{out_dir}/rank{rank}.pt")
     g_done = torch.zeros(1)
     torch.distributed.all_reduce(g_done)  # nobody unmaps its ring while a peer still reads it
+    tp_group.close_group()
+
+
+def engine_rings_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+                        model: str) -> None:
+    """A TPEngine with tp_reduce "peer" (interpreted kernels): its rings (a directory rank 0
+    made, shared by both), the O ring's partials per rank, and one target forward through them;
+    saves what it saw."""
+    _setup()
+    import torch
+
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.engine import TPEngine
+    from iquestrt.weights import from_checkpoint
+    from reference.checkpoint import load_checkpoint
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="gloo", timeout_s=timeout_s)
+    rcfg = RuntimeConfig(ops="kernels", ring_pad=8, max_positions=32, tp_reduce="peer",
+                         prefetch=False)
+    eng = TPEngine(from_checkpoint(load_checkpoint(model), "cpu", 32), rcfg, g)
+    rings = eng.target.rings
+    caches, flags = eng._request_caches()
+    logits, _ = eng.target.forward(torch.tensor([3, 1, 4, 1, 5]), 0, caches, flags)
+    from iquestrt.ops import Live
+
+    o = eng.target.w.layers[0].attn.o
+    made = eng.ops.linear_fp8_partials(torch.zeros(8, o.w.shape[1], dtype=torch.bfloat16), o,
+                                       Live.of(1, "cpu")).shape[0]  # the partials it produces
+    torch.save({"o_parts": rings.o.views[0].shape[1], "made": made,
+                "steps": (rings.o_step, rings.moe_step),
+                "flags": flags.clone(), "logits": logits[:5].clone(),
+                "directory": rings.directory, "files": sorted(os.listdir(rings.directory))},
+               f"{out_dir}/rank{rank}.pt")
     tp_group.close_group()
