@@ -60,6 +60,17 @@ def test_generate_tp2_nccl_kernels(capsys):
     _check_against_one_process(args, tp, capsys)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
+def test_generate_tp2_nccl_peer_reduction_equals_all_gather():
+    """--tp-reduce peer on two GPUs: the tails read the peer's ring slots in symmetric memory;
+    the same partials in the same order as the all-gather, so the same greedy tokens."""
+    args = [a if a != "twins" else "kernels" for a in ARGS]
+    gathered = _tp2_tokens(args, dict(os.environ))
+    peer = _tp2_tokens([*args, "--tp-reduce", "peer"], dict(os.environ))
+    assert peer == gathered
+
+
 def test_tp_without_torchrun_says_how(monkeypatch, capsys):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli.main([*ARGS, "--tp", "2"]) == cli.EXIT_USAGE
