@@ -1,0 +1,149 @@
+"""The "kernels" implementation of iquestrt/ops.py's op table: the Triton wrappers of kernels/
+(compiled on a GPU, interpreted on the CPU), reading the live-row count from the device.
+
+Dimension letters as in iquestrt/ops.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from iquestrt.live import Live
+from iquestrt.weights import Fp8Linear, MoeWeights
+from kernels import attention as k_attention
+from kernels import draft_entry as k_entry
+from kernels import eh_proj as k_eh_proj
+from kernels import kv_cache as k_kv
+from kernels import linear as k_linear
+from kernels import moe as k_moe
+from kernels import qk_rope as k_qk
+from kernels import rows as k_rows
+from kernels import sampler as k_sampler
+from kernels import tails as k_tails
+from kernels import verify as k_verify
+from kernels.fp8 import E4M3
+from kernels.peer_partials import RingRead
+from kernels.sampler import SampleOut
+from kernels.verify import VerifyOut
+from reference.tails import AttnTailOut, MoeTailOut
+
+ROLLBACK_ROWS = 8  # the rollback kernel's width: positions one settlement may relabel
+
+
+class KernelOps:
+    name = "kernels"
+
+    def __init__(self, device: torch.device, max_polls: int):
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "ops='kernels' on the CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before the first import of a kernels module (or use ops='twins')"
+            )
+        self.dev, self.max_polls = device, max_polls
+        self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
+
+    def reset(self) -> None:
+        """After a failure flag: restore the router scratch invariant (kernels/tails.py)."""
+        for s in self._scratch.values():
+            s.reset()
+
+    def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
+        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype)
+
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
+        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq)  # [S, R, N]
+
+    def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
+        return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype)
+
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
+                num_kv_heads, eps):
+        return k_qk.qk_rope(parts, q_norm, k_norm, positions, table, live.t,
+                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+
+    def write_kv(self, cache, k, v, positions, live: Live) -> None:
+        k_kv.write_kv(cache, k, v, positions, live.t)
+
+    def rollback(self, cache, keep, written) -> None:
+        """keep/written: host ints, or device [1] scalars (a device-resident round)."""
+        k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS)
+
+    def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
+        return k_attention.attention(q, cache, positions, live.t, sink_k, scale)
+
+    def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
+        """→ (o [R, Hq, D], (E4M3 [R, Hq·D], scales) = quantize_act of o made by the combine
+        launch, or None when its programs do not cover whole 128-column groups)."""
+        r, hq, d = q.shape
+        lay = cache.layout
+        cfg = k_attention.pick_config(lay.head_dim, lay.capacity, lay.ring)
+        if not k_attention.combine_quantizes(hq, d, cfg.combine_heads):
+            return self.attention(q, cache, positions, live, sink_k, scale), None
+        xq = (torch.empty(r, hq * d, dtype=E4M3, device=self.dev),
+              torch.empty(r, -(-hq * d // 128), dtype=torch.float32, device=self.dev))
+        o = k_attention.attention(q, cache, positions, live.t, sink_k, scale, config=cfg,
+                                  quant_out=xq)
+        return o, xq
+
+    def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
+                  attn_out_scale, router_w=None, top_k=0, quantize=False) -> AttnTailOut:
+        scratch = None
+        if router_w is not None:
+            key = tuple(router_w.shape)
+            if key not in self._scratch:
+                self._scratch[key] = k_tails.RouterScratch.create(key[1], key[0], self.dev)
+            scratch = self._scratch[key]
+        parts, rearm, polls = self._read(parts)
+        return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
+                                 attn_out_scale=attn_out_scale, max_polls=polls, rearm=rearm,
+                                 router_w=router_w, top_k=top_k, scratch=scratch,
+                                 quantize=quantize)
+
+    def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
+                 quantize=False) -> MoeTailOut:
+        parts, rearm, polls = self._read(parts)
+        return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
+                                ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
+                                quantize=quantize)
+
+    def _read(self, parts):
+        """Partials [N, R, H], or a RingRead of peers' slots → (partials, re-arm, poll bound)."""
+        if isinstance(parts, RingRead):
+            return parts.partials, parts.rearm, parts.max_polls
+        return parts, None, self.max_polls
+
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+            ) -> torch.Tensor:
+        return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
+                             out_dtype=out_dtype, quantized=xq)
+
+    def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
+        return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)
+
+    def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
+               n_drafts: Live) -> VerifyOut:
+        return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
+                               n_drafts=n_drafts.t)
+
+    def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
+                  store_sum=False, y_out=None, y_dtype=torch.bfloat16):
+        return k_rows.norm_rows(a, w, live.t, eps, b=b, wb=wb, sum_dtype=sum_dtype,
+                                store_sum=store_sum, y_out=y_out, y_dtype=y_dtype)
+
+    def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                    live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
+        return k_entry.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
+                                   live.t, embed, enorm, hnorm, eps, eh_out, pos_out)
+
+    def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
+                live: Live, embed, enorm, hnorm, eps, weight, pos_out):
+        return k_eh_proj.eh_proj(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
+                                 live.t, embed, enorm, hnorm, eps, weight, pos_out)
+
+    def silu_mul_rows(self, g, u, live: Live):
+        return k_rows.silu_mul_rows(g, u, live.t)
+
+    def route_rows(self, x, router_w, top_k: int, live: Live):
+        return k_rows.route_rows(x, router_w, top_k, live.t)
