@@ -418,6 +418,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     from triton.compiler import ASTSource
 
     import kernels.attention as A
+    import kernels.attention_combine as AC
     import kernels.kv_cache as KV
 
     def build(fn, args, consts, aligned=(), warps=4, stages=2):
@@ -451,7 +452,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     variants = ((1, 264, True, False), (16, 8, False, False), (1, 264, True, True))
     for hb, s, sink, quant in variants:
         name = f"combine_hb{hb}" + ("_quant" if quant else "")
-        stats[name] = build(A._combine_kernel, comb_args, {
+        stats[name] = build(AC._combine_kernel, comb_args, {
             "G": 6, "D": 128, "S": s, "BLOCK_S": triton.next_power_of_2(s), "HB": hb,
             "UNROLL": 4, "HAS_SINK": sink, "INTERPRET": False, "QUANT": quant,
             "QGROUPS": max(1, hb * 128 // 128)})
