@@ -79,6 +79,16 @@ class PeerRing:
         self.views[self.rank].fill_(float("nan"))
 
 
+def _ring_shape(group, backend: str, where: str, why: str, policy, parts: int, rows: int,
+                hidden: int):
+    """→ (policy, ring shape [B, S, R, H]) once `group` is an initialized `backend` group."""
+    if group.backend != backend:
+        raise ValueError(f"{where}: needs {backend} ranks, got {group.backend} ({why})")
+    group.require_initialized("tp.peer_ring")
+    policy = policy or RingPolicy()
+    return policy, (policy.buffers, parts, rows, hidden)
+
+
 def symmetric_ring(group, rows: int, hidden: int, parts: int = 1,
                    policy: RingPolicy | None = None) -> PeerRing:
     """A PeerRing in torch symmetric memory on `group` (an initialized NCCL TPGroup, one GPU per
@@ -87,12 +97,9 @@ def symmetric_ring(group, rows: int, hidden: int, parts: int = 1,
     import torch.distributed as dist
     import torch.distributed._symmetric_memory as symm_mem
 
-    if group.backend != "nccl":
-        raise ValueError(f"symmetric_ring: needs CUDA ranks (nccl), got {group.backend}: peer "
-                         "memory does not exist between CPU processes")
-    group.require_initialized("tp.peer_ring")
-    policy = policy or RingPolicy()
-    shape = (policy.buffers, parts, rows, hidden)
+    policy, shape = _ring_shape(group, "nccl", "symmetric_ring", "peer memory is between CUDA "
+                                "ranks; CPU ranks use shared_file_ring", policy, parts, rows,
+                                hidden)
     buf = symm_mem.empty(*shape, dtype=torch.float32, device=group.device)
     buf.fill_(float("nan"))
     name = dist.group.WORLD.group_name
@@ -113,12 +120,8 @@ def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring
     Collective; armed and synchronized across ranks on return."""
     import torch.distributed as dist
 
-    if group.backend != "gloo":
-        raise ValueError(f"shared_file_ring: for CPU ranks (gloo), got {group.backend}; CUDA "
-                         "ranks use symmetric_ring")
-    group.require_initialized("tp.peer_ring")
-    policy = policy or RingPolicy()
-    shape = (policy.buffers, parts, rows, hidden)
+    policy, shape = _ring_shape(group, "gloo", "shared_file_ring", "CUDA ranks use "
+                                "symmetric_ring", policy, parts, rows, hidden)
     numel = policy.buffers * parts * rows * hidden
     files = [Path(directory) / f"{name}-rank{p}.bin" for p in range(group.world)]
     own = torch.from_file(str(files[group.rank]), shared=True, size=numel, dtype=torch.float32)
