@@ -74,10 +74,10 @@ class Timing:
 
 class RankEngine(Engine):
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, table: torch.Tensor | None,
-                 seed: int = 0, peers: int = PEERS):
+                 seed: int = 0, peers: int = PEERS, reduce: str = "stacked"):
         super().__init__(weights, rcfg, None)
         self.ops = make_rank_ops(rcfg.ops, rcfg.device, rcfg.max_polls, weights, rcfg.max_width,
-                                 table, peers)
+                                 table, peers, reduce)
         self.target.ops = self.draft.ops = self.ops
         self.seed = seed
         self.timing: Timing | None = None

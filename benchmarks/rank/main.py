@@ -19,6 +19,7 @@ from pathlib import Path
 CONTEXTS = {"1K": 1024, "4K": 4096, "16K": 16384, "64K": 65536, "128K": 131072, "192K": 196608}
 WIDTHS = (4, 5, 6, 7, 8)
 BASELINES = ("all", "eager", "compile", "none")
+REDUCES = ("stacked", "table")  # how the tails read the partials (benchmarks/rank/ops.py)
 EXIT_USAGE = 2
 
 
@@ -42,6 +43,7 @@ class SweepSpec:
     loop: str = "host"  # RuntimeConfig.loop for the graph runs: "host" or "device" (WHILE node)
     seed: int = 0
     headline_width: int = 6
+    reduce: str = "stacked"
 
     def __post_init__(self) -> None:
         bad = [w for w in self.widths if not (isinstance(w, int) and WIDTHS[0] <= w <= WIDTHS[-1])]
@@ -59,7 +61,7 @@ class SweepSpec:
                 raise BenchArgsError(f"--{name.replace('_', '-')}: {v!r} outside {lo}..{hi}")
         for name, allowed in (("baseline", BASELINES), ("routing", ("traces", "uniform")),
                               ("mapping", ("primary", "position")), ("loop", ("host", "device")),
-                              ("profile", ("all", "key", "none"))):
+                              ("profile", ("all", "key", "none")), ("reduce", REDUCES)):
             if getattr(self, name) not in allowed:
                 raise BenchArgsError(f"--{name}: {getattr(self, name)!r}; choose one of "
                                      f"{list(allowed)}")
@@ -91,6 +93,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="graph runs: host (one replay per round; per-round events) or device "
                         "(a WHILE graph node runs the request; round = loop time / rounds)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--reduce", default=d.reduce,
+                   help="stacked: tails read [S + 7, R, H]; table: through an address table with "
+                        "the 7 peers in their own allocations and a re-arm per tail (what "
+                        "--tp-reduce peer costs a rank)")
 
 
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
@@ -99,12 +105,12 @@ def spec_from_args(a: argparse.Namespace) -> SweepSpec:
                          baseline="eager" if a.baseline == "all" else a.baseline,
                          baseline_rounds=3, routing=a.routing, mapping=a.mapping,
                          profile="key" if a.profile != "none" else "none", eager=False,
-                         loop=a.loop, seed=a.seed)
+                         loop=a.loop, seed=a.seed, reduce=a.reduce)
     return SweepSpec(widths=tuple(a.widths), adaptive=not a.no_adaptive,
                      contexts=tuple(a.contexts), rounds=a.rounds, reps=a.reps,
                      baseline=a.baseline, baseline_rounds=a.baseline_rounds, routing=a.routing,
                      mapping=a.mapping, profile=a.profile, eager=not a.no_eager, loop=a.loop,
-                     seed=a.seed)
+                     seed=a.seed, reduce=a.reduce)
 
 
 def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank") -> int:

@@ -15,6 +15,10 @@ deployment does that a single GPU would otherwise skip, with no change to engine
    copies the next step's ids [L, R, K] into a fixed buffer and a device counter advances, so
    the override is capturable and costs 3 small launches per forward. The router's weights
    (not ids) are kept: they only scale expert outputs. The draft routes with its own router.
+3. reduce="table" (kernels only): the tails read the same S + 7 partials through a table of
+   addresses (kernels/peer_partials.py), the 7 peers in separate allocations as peers' memory
+   would be, and re-arm a spare [S, R, H] slot each call — what `--tp-reduce peer` does on a
+   rank (iquestrt/tp/peer_ring.py), so the table's and the re-arm's costs are paid.
 Which layer a call belongs to is found from the identity of its weight tensor (o_proj weight,
 router, expert stack), never from call order.
 
@@ -26,10 +30,12 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.rank.main import REDUCES
 from iquestrt.ops import KernelOps, Live, TwinOps
 from iquestrt.weights import Fp8Linear, MoeWeights, Weights
 from kernels import linear as k_linear
 from kernels import moe as k_moe
+from kernels.peer_partials import PeerPartials, RingRead
 
 PEERS = 7  # the other ranks of TP8
 
@@ -38,10 +44,16 @@ class RankOpsMixin:
     """Put before KernelOps / TwinOps in the bases; call `attach` once before the first round."""
 
     def attach(self, weights: Weights, rows: int, table: torch.Tensor | None,
-               peers: int = PEERS) -> None:
-        """table: [T, L, ≥rows, K] int32 trace ids (None: the router's own ids)."""
+               peers: int = PEERS, reduce: str = "stacked") -> None:
+        """table: [T, L, ≥rows, K] int32 trace ids (None: the router's own ids); reduce: how
+        the tails read the partials (module docstring, 1 and 3)."""
+        if reduce not in REDUCES:
+            raise ValueError(f"reduce: {reduce!r}; choose one of {list(REDUCES)}")
+        if reduce == "table" and not isinstance(self, KernelOps):
+            raise ValueError("reduce 'table': the twins read partials as one tensor")
         dev, h = weights.device, weights.cfg.target.hidden_size
         self.peers = peers
+        self.reads: dict[int, RingRead] = {}  # data_ptr of a stacked buffer → its table read
         self.o_layer: dict[int, int] = {}  # o_proj weight data_ptr → layer
         self.attn_buf: dict[int, torch.Tensor] = {}  # layer → [S + P, R, H]
         self.moe_layer: dict[int, int] = {}  # expert fc data_ptr → layer
@@ -56,6 +68,9 @@ class RankOpsMixin:
                 self.moe_layer[layer.moe.fc.data_ptr()] = layer.index
                 self.router_layer[layer.moe.router.data_ptr()] = layer.index
                 self.moe_buf[layer.index] = self._buffer(1, rows, h, dev)
+        if reduce == "table":
+            for buf in [*self.attn_buf.values(), *self.moe_buf.values()]:
+                self.reads[buf.data_ptr()] = self._table_read(buf)
         self.first_moe = min(self.router_layer.values(), default=None)
         self.table = self.route = self.step = None
         if table is not None:
@@ -74,6 +89,14 @@ class RankOpsMixin:
         buf[:local] = float("nan")  # unwritten local slots read as NaN (readiness)
         return buf
 
+    def _table_read(self, buf: torch.Tensor) -> RingRead:
+        """buf [S + P, R, H] → a RingRead of its S local slots and P peers copied into their own
+        allocations, re-arming a spare [S, R, H]."""
+        local = buf.shape[0] - self.peers
+        peers = [buf[local + p].clone() for p in range(self.peers)]
+        spare = torch.full_like(buf[:local], float("nan"))
+        return RingRead(PeerPartials.of([*buf[:local], *peers]), spare, self.max_polls)
+
     def steps_taken(self) -> int:
         """Table steps consumed so far modulo T (a device read: outside any clock)."""
         return int(self.step[0]) if self.step is not None else 0
@@ -85,7 +108,7 @@ class RankOpsMixin:
             return super().linear_fp8_partials(x, lin, live, xq=xq)
         buf = self.attn_buf[layer]
         self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers], xq)
-        return buf  # [S + P, R, H]: the attention tail sums all of them
+        return self.reads.get(buf.data_ptr(), buf)  # [S + P, R, H]: the tail sums all
 
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
             ) -> torch.Tensor:
@@ -100,7 +123,7 @@ class RankOpsMixin:
                  quantize=False):
         for buf in self.moe_buf.values():
             if buf.data_ptr() == parts.data_ptr() and parts.shape[0] == 1:
-                parts = buf  # [1 + P, R, H]
+                parts = self.reads.get(buf.data_ptr(), buf)  # [1 + P, R, H]
                 break
         return super().moe_tail(parts, h, next_norm, live, flag, eps=eps,
                                 ffn_out_scale=ffn_out_scale, quantize=quantize)
@@ -153,10 +176,10 @@ class RankTwinOps(RankOpsMixin, TwinOps):
 
 
 def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: int,
-                  table: torch.Tensor | None, peers: int = PEERS):
+                  table: torch.Tensor | None, peers: int = PEERS, reduce: str = "stacked"):
     kinds = {"kernels": RankKernelOps, "twins": RankTwinOps}
     if backend not in kinds:
         raise ValueError(f"ops: unknown backend {backend!r}; choose one of {sorted(kinds)}")
     ops = kinds[backend](torch.device(device), max_polls)
-    ops.attach(weights, rows, table, peers)
+    ops.attach(weights, rows, table, peers, reduce)
     return ops

@@ -151,7 +151,7 @@ def make_engine(rig: Rig, weights, table, policy, graphs: bool, spec: SweepSpec,
     rc = RuntimeConfig(ops=rig.ops, device=rig.device, max_width=KERNEL_WIDTH, ring_pad=64,
                        max_positions=cap, policy=policy, graphs=graphs, sync_rounds=16,
                        loop=spec.loop if graphs else "host", prefetch=False)
-    return RankEngine(weights, rc, table, seed=spec.seed)
+    return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce)
 
 
 def run_baseline(spec: SweepSpec, cfg: ModelConfig, table, context: int, say,

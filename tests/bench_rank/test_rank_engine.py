@@ -11,8 +11,10 @@ from benchmarks.rank.traces import uniform_table
 from benchmarks.rank.weights import random_weights
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import EngineError
-from iquestrt.ops import TwinOps
+from iquestrt.ops import Live, TwinOps
 from iquestrt.snapshot import caches_digest
+from kernels.peer_partials import RingRead
+from kernels.tails import moe_tail
 from reference.depth import FixedDepth
 from reference.kv_layout import EMPTY, KVLayout, LayerKV
 
@@ -112,3 +114,45 @@ def test_experts_follow_the_table(weights, monkeypatch, with_table):
     follows = all(torch.equal(seen[i * n_moe + l], table[i % 5, l, :3].long())
                   for i in range(len(res.rounds)) for l in range(n_moe))
     assert follows == with_table  # without a table the router's ids differ (the check can fail)
+
+
+def test_the_table_read_changes_no_bit(weights):
+    """reduce "table" (interpreted kernels): the o_proj override hands the tail a RingRead of the
+    same S + 7 partials (local slots aliased, peers in their own allocations) and the MoE tail is
+    redirected to the expert buffer's read; summed through the table they give the stacked
+    read's bits and re-arm the spare slot; a finite non-zero peer in the table's copy changes
+    them (the table is what is read)."""
+    rc = RuntimeConfig(ops="kernels", device="cpu", max_width=8, ring_pad=64, max_positions=512,
+                       policy=FixedDepth(1), prefetch=False)
+    ops = RankEngine(weights, rc, _table(), seed=1, reduce="table").ops
+    layer = weights.layers[3]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, layer.attn.o.w.shape[1], generator=g).bfloat16()
+    live = Live.of(5, "cpu")
+    read = ops.linear_fp8_partials(x, layer.attn.o, live)
+    buf = ops.attn_buf[3]
+    local = buf.shape[0] - 7
+    assert isinstance(read, RingRead) and len(read.partials.buffers) == local + 7
+    assert [b.data_ptr() for b in read.partials.buffers[:local]] == \
+        [buf[s].data_ptr() for s in range(local)]
+    h = torch.randn(8, CFG.target.hidden_size, generator=g).bfloat16()
+    w = torch.ones(CFG.target.hidden_size, dtype=torch.bfloat16)
+    flag = torch.zeros(1, dtype=torch.int32)
+
+    def tail(parts, rearm=None):
+        return moe_tail(parts, h, w, live.t, flag, eps=1e-6, ffn_out_scale=1.0, max_polls=2,
+                        rearm=rearm).xn[:5]
+
+    want = tail(buf)
+    assert torch.equal(tail(read.partials, read.rearm).view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(read.rearm).all() and flag.item() == 0
+    moe_buf = ops.moe_buf[3]
+    moe_buf[0].copy_(buf[0])
+    via_ops = ops.moe_tail(moe_buf[0][None], h, w, live, flag, eps=1e-6, ffn_out_scale=1.0)
+    ops.reads[moe_buf.data_ptr()].partials.buffers[-1].fill_(1e-3)
+    poked = ops.moe_tail(moe_buf[0][None], h, w, live, flag, eps=1e-6, ffn_out_scale=1.0)
+    assert not torch.equal(poked.xn[:5].float(), via_ops.xn[:5].float())
+    read.partials.buffers[-1].fill_(1e-3)
+    assert not torch.equal(tail(read.partials).float(), want.float())
+    with pytest.raises(ValueError, match="reduce 'table': the twins read partials"):
+        _engine(weights, _table()).ops.attach(weights, 8, None, reduce="table")

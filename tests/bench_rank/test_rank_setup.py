@@ -58,6 +58,7 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--contexts", "1K", "2K"], "unknown ['2K']; choose from"),
     (["--baseline", "fast"], "--baseline: 'fast'; choose one of"),
     (["--rounds", "2"], "--rounds: 2 outside 4..4096"),
+    (["--reduce", "ring"], "--reduce: 'ring'; choose one of ['stacked', 'table']"),
 ])
 def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, message):
     assert bench_main.main(["--out", str(tmp_path / "o"), *argv]) == 2
