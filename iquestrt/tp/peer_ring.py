@@ -20,7 +20,7 @@ summed in that order (iquestrt/tp/model.py's gather path).
 per rank; NVLink multicast stays off: iquestrt/tp/group.py). `shared_file_ring` is its CPU
 stand-in for gloo ranks on one host: each rank's ring is a shared file mapping that every rank
 maps too, so interpreted tails poll slots that other processes write, concurrently. `PeerRing`
-itself takes any views [B, R, H] per rank (tests also emulate ranks on one device).
+itself takes any views [B, S, R, H] per rank (tests also emulate ranks on one device).
 
 Dimension letters: B ring slots, N ranks, S partials per rank, R rows, H hidden.
 """
@@ -59,10 +59,6 @@ class PeerRing:
         self.views, self.rank, self.keep = views, rank, keep
         self.slots = tuple(PeerPartials.of([v[s, i] for v in views for i in range(v.shape[1])])
                            for s in range(b))
-
-    @property
-    def ranks(self) -> int:
-        return len(self.views)
 
     def produce(self, step: int) -> torch.Tensor:  # [S, R, H] this rank's slot of step t
         return self.views[self.rank][self.policy.read_slot(step)]
