@@ -117,9 +117,7 @@ class TargetModel:
                                  router_w=layer.moe.router, top_k=layer.moe.top_k, quantize=True)
             if self.route_trace is not None:  # host-known rows only, like layer_trace
                 self.route_trace.append((i, tail.ids[: live.known].long().cpu()))
-            f = ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32,
-                        xq=(tail.fq, tail.sf))
-            out = ops.moe_tail(self._moe_partials(i, f), tail.h, next_norm, live,
+            out = ops.moe_tail(self._expert_partials(layer, tail, live), tail.h, next_norm, live,
                                flags[i : i + 1], eps=eps, ffn_out_scale=t.ffn_out_scale,
                                quantize=i != last)
             xn, xq = out.xn, (None if out.xq is None else (out.xq, out.sx))
@@ -133,8 +131,12 @@ class TargetModel:
                                 xq=xq, quantize_o=True)
         return self.ops.linear_fp8_partials(o, layer.attn.o, live, xq=oq)
 
-    def _moe_partials(self, i: int, f: torch.Tensor) -> torch.Tensor:
-        return f[None]  # [1, R, H]: one device's expert output
+    def _expert_partials(self, layer, tail, live: Live, out=None):
+        """The experts on the attention tail's f_in (its quantization, ids, weights) → the
+        partials the MoE tail sums: [1, R, H], one device's expert output (FP32, into `out`
+        [R, H] when given)."""
+        return self.ops.moe(tail.f_in, tail.weights, tail.ids, layer.moe, live, torch.float32,
+                            xq=(tail.fq, tail.sf), out=out)[None]
 
     def _down(self, act, down: Fp8Linear, live: Live) -> torch.Tensor:
         """Layer 0's down projection → [R, H] bf16."""

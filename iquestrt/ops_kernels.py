@@ -52,8 +52,10 @@ class KernelOps:
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype)
 
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
-        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq)  # [S, R, N]
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None, out=None
+                            ) -> torch.Tensor:
+        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq,
+                                            out=out)  # [S, R, N]
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype)
@@ -114,10 +116,10 @@ class KernelOps:
             return parts.partials, parts.rearm, parts.max_polls
         return parts, None, self.max_polls
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
-                             out_dtype=out_dtype, quantized=xq)
+                             out_dtype=out_dtype, quantized=xq, out=out)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)

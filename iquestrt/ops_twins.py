@@ -48,6 +48,13 @@ def _padded(live_rows: torch.Tensor, rows: int, device, fill=NAN) -> torch.Tenso
     return out
 
 
+def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """y, or y copied into the caller's buffer `out` (the kernels write there directly)."""
+    if out is None:
+        return y
+    return out.copy_(y)
+
+
 def _host_int(x) -> int:
     """A base scalar of draft_entry (host int or device [1] tensor) as a host int (twins)."""
     return x if isinstance(x, int) else int(x.reshape(-1)[0])
@@ -91,10 +98,11 @@ class TwinOps:
                                                                 dequant=self.dq))
         return _padded(y, x.shape[0], self.dev)  # [R, N]
 
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None, out=None
+                            ) -> torch.Tensor:
         """[1, R, N] FP32: the twin is one GEMM, i.e. a single partial. xq (a producer's
         quantization of x) is not needed: the twin quantizes x itself, to the same values."""
-        return self.linear_fp8(x, lin, live, torch.float32)[None]
+        return _into(self.linear_fp8(x, lin, live, torch.float32)[None], out)
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
         y = _rows(live.n, lambda r: dense_twins.linear_bf16_f32_ref(x[r : r + 1], w,
@@ -162,13 +170,13 @@ class TwinOps:
         q, s = ref_ops.quantize_act(x.float())
         return _padded(q.float(), rows, self.dev).to(q.dtype), _padded(s, rows, self.dev)
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         """xq (a producer's quantization of x) is not needed: the twin quantizes x itself."""
         y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
             x[r : r + 1], weights[r : r + 1], ids[r : r + 1], m.fc, m.fc_s, m.proj, m.proj_s,
             out_dtype=out_dtype, dequant=self.dq))
-        return _padded(y, x.shape[0], self.dev)
+        return _into(_padded(y, x.shape[0], self.dev), out)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         if isinstance(params, DeviceSampling):  # the twins run on the host: its parameters

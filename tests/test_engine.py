@@ -447,3 +447,26 @@ def test_twins_on_a_gpu_sync_every_round(corr):
     unwatched, watched = run(False), run(True)
     assert unwatched == watched
     assert len(unwatched[0]) == 24 and unwatched[2] == "length"
+
+
+def test_twin_ops_write_a_callers_buffer(corr):
+    """The kernels write partials / expert outputs into a caller's buffer (a TP ring slot); the
+    twins give the same table: the values they return, copied into `out`, which they return."""
+    from iquestrt.ops import Live, TwinOps
+
+    w = from_checkpoint(corr, "cpu", 64)
+    ops, live, layer = TwinOps(torch.device("cpu"), 4), Live.of(3, "cpu"), w.layers[1]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, layer.attn.o.w.shape[1], generator=g).bfloat16()
+    want = ops.linear_fp8_partials(x, layer.attn.o, live)
+    buf = torch.zeros_like(want)
+    assert ops.linear_fp8_partials(x, layer.attn.o, live, out=buf) is buf
+    assert torch.equal(buf.nan_to_num(7.0), want.nan_to_num(7.0))
+    h = torch.randn(8, w.cfg.target.hidden_size, generator=g).bfloat16()
+    k = layer.moe.top_k
+    ids = torch.arange(8 * k).reshape(8, k) % w.cfg.target.num_experts
+    wts = torch.full((8, k), 1.0 / k)
+    want = ops.moe(h, wts, ids, layer.moe, live, torch.float32)
+    out = torch.zeros_like(want)
+    assert ops.moe(h, wts, ids, layer.moe, live, torch.float32, out=out) is out
+    assert torch.equal(out[:3], want[:3])

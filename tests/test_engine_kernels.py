@@ -96,10 +96,10 @@ class Lockstep:
         assert torch.equal(xq[1][:n].cpu(), s), f"the {who} tail's scales differ from quantize_act"
         self.quantized[who] = self.quantized.get(who, 0) + 1
 
-    def linear_fp8_partials(self, x, lin, live, xq=None):
+    def linear_fp8_partials(self, x, lin, live, xq=None, out=None):
         o_operand = xq is not None and xq is getattr(self, "o_quantized", None)
         self._producer_quantization(x, xq, live, "combine" if o_operand else "MoE")
-        got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq), live.n
+        got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq, out=out), live.n
         total = got[0, :n].clone()
         for s in range(1, got.shape[0]):
             total += got[s, :n]
@@ -206,9 +206,9 @@ class Lockstep:
         self._cmp(got[0][: live.n], want[0][: live.n], "kernels.rows.route", "fp32")
         return got
 
-    def moe(self, x, weights, ids, m, live, out_dtype, xq=None):
+    def moe(self, x, weights, ids, m, live, out_dtype, xq=None, out=None):
         self._producer_quantization(x, xq, live, "attention")
-        got = self.k.moe(x, weights, ids, m, live, out_dtype, xq=xq)
+        got = self.k.moe(x, weights, ids, m, live, out_dtype, xq=xq, out=out)
         want = self.t.moe(x, weights, ids, m, live, out_dtype)
         self._cmp(got[: live.n], want[: live.n], "kernels.moe.e2e", "bf16")
         return got

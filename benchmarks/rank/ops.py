@@ -102,19 +102,20 @@ class RankOpsMixin:
         return int(self.step[0]) if self.step is not None else 0
 
     # --- overrides ----------------------------------------------------------------------------
-    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None) -> torch.Tensor:
+    def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None, out=None
+                            ) -> torch.Tensor:
         layer = self.o_layer.get(lin.w.data_ptr())
-        if layer is None:
-            return super().linear_fp8_partials(x, lin, live, xq=xq)
+        if layer is None or out is not None:  # a caller's own buffer: not an emulated reduction
+            return super().linear_fp8_partials(x, lin, live, xq=xq, out=out)
         buf = self.attn_buf[layer]
         self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers], xq)
         return self.reads.get(buf.data_ptr(), buf)  # [S + P, R, H]: the tail sums all
 
-    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None
+    def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         layer = self.moe_layer.get(m.fc.data_ptr())
-        if layer is None:
-            return super().moe(x, weights, ids, m, live, out_dtype, xq=xq)
+        if layer is None or out is not None:
+            return super().moe(x, weights, ids, m, live, out_dtype, xq=xq, out=out)
         buf = self.moe_buf[layer]
         self._moe_into(x, weights, ids, m, live, buf[0], xq)
         return buf[0]  # the model passes f[None]: a view starting at buf's first byte

@@ -59,15 +59,18 @@ class TPTargetModel(TargetModel):
         o, _ = attention_block(ops, t, layer.attn, xn, pos, live, cache, layer.rope,
                                qkv_view=pl.qkv.gather, xq=xq)  # [R, q·D] this rank's heads
         o = pl.o_in.scatter(o)  # [R, Po]
+        if self.rings is not None:  # the GEMM writes this rank's ring slot
+            ops.linear_fp8_partials(o, layer.attn.o, live, out=self.rings.next_o())
+            return self.rings.read_o()
         mine = ops.linear_fp8_partials(o, layer.attn.o, live)  # [S, R, H]
-        if self.rings is not None:
-            return self.rings.reduce_o(mine)
         return self._gather(mine, f"layer {layer.index} O partials")
 
-    def _moe_partials(self, i: int, f: torch.Tensor):
-        if self.rings is not None:
-            return self.rings.reduce_moe(f)
-        return self._gather(f, f"layer {i} MoE partials")  # [N, R, H]
+    def _expert_partials(self, layer, tail, live: Live, out=None):
+        if self.rings is not None:  # the experts write this rank's ring slot
+            super()._expert_partials(layer, tail, live, out=self.rings.next_moe()[0])
+            return self.rings.read_moe()
+        f = super()._expert_partials(layer, tail, live)  # [1, R, H]
+        return self._gather(f, f"layer {layer.index} MoE partials")  # [N, R, H]
 
     def _down(self, act, down, live: Live) -> torch.Tensor:
         """This rank's channels in FP32, every rank's summed in rank order, then BF16 (as the

@@ -142,16 +142,19 @@ class TPRings:
         self.directory = directory  # the ring files' (CPU ranks); None in GPU memory
         self.o_step = self.moe_step = 0
 
-    def reduce_o(self, parts: torch.Tensor) -> RingRead:
-        """This rank's O partials [S, R, H] into its slot → the attention tail's read."""
+    def next_o(self) -> torch.Tensor:  # [S, R, H]: where the next O projection writes
+        return self.o.produce(self.o_step)
+
+    def read_o(self) -> RingRead:
+        """The attention tail's read of the step next_o was written for; advances the step."""
         t, self.o_step = self.o_step, self.o_step + 1
-        self.o.produce(t).copy_(parts)
         return RingRead(self.o.consume(t), self.o.rearm(t), self.max_polls)
 
-    def reduce_moe(self, f: torch.Tensor) -> RingRead:
-        """This rank's expert output [R, H] FP32 into its slot → the MoE tail's read."""
+    def next_moe(self) -> torch.Tensor:  # [1, R, H]: where the next experts' output goes
+        return self.moe.produce(self.moe_step)
+
+    def read_moe(self) -> RingRead:
         t, self.moe_step = self.moe_step, self.moe_step + 1
-        self.moe.produce(t)[0].copy_(f)
         return RingRead(self.moe.consume(t), self.moe.rearm(t), self.max_polls)
 
     def arm(self) -> None:

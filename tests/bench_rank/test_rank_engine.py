@@ -94,10 +94,10 @@ def _spy_moe(monkeypatch):
     seen = []
     real = TwinOps.moe
 
-    def moe(self, x, weights, ids, m, live, out_dtype, xq=None):
+    def moe(self, x, weights, ids, m, live, out_dtype, xq=None, out=None):
         if out_dtype == torch.float32:  # the target's MoE (the draft's is bf16)
             seen.append(ids[: live.n].long().clone())
-        return real(self, x, weights, ids, m, live, out_dtype, xq=xq)
+        return real(self, x, weights, ids, m, live, out_dtype, xq=xq, out=out)
 
     monkeypatch.setattr(TwinOps, "moe", moe)
     return seen
