@@ -21,6 +21,7 @@ WIDTHS = (4, 5, 6, 7, 8)
 BASELINES = ("all", "eager", "compile", "none")
 REDUCES = ("stacked", "table")  # how the tails read the partials (benchmarks/rank/ops.py)
 EXIT_USAGE = 2
+EXIT_FAILED = 1  # the record is written, with the failed parts' errors
 
 
 class BenchArgsError(ValueError):
@@ -123,8 +124,22 @@ def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank"
         return EXIT_USAGE
     from benchmarks.rank.sweep import run_sweep
 
-    run_sweep(spec, a.out, " ".join([prog, *sys.argv[1:]]))
+    record = run_sweep(spec, a.out, " ".join([prog, *sys.argv[1:]]))
+    failed = failures(record)
+    if failed:
+        sys.stderr.write(f"bench round: {len(failed)} part(s) failed (recorded with their errors "
+                         f"in {a.out}): {', '.join(failed)}\n")
+        return EXIT_FAILED
     return 0
+
+
+def failures(record: dict) -> list[str]:
+    """Names of the timed parts that raised: configurations and the eager run. (A baseline
+    variant that does not compile is a result — issue 7 asks for it "where it compiles".)"""
+    out = [f"{r['context_name']} {r['policy']}" for r in record["configs"] if "error" in r]
+    if isinstance(record.get("eager"), dict) and "error" in record["eager"]:
+        out.append("eager")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,3 +156,27 @@ def test_the_table_read_changes_no_bit(weights):
     assert not torch.equal(tail(read.partials).float(), want.float())
     with pytest.raises(ValueError, match="reduce 'table': the twins read partials"):
         _engine(weights, _table()).ops.attach(weights, 8, None, reduce="table")
+
+
+def test_table_reads_pass_a_zero_live_warm_up(weights):
+    """Graph capture warms up with 0 live rows; a re-arming tail's padding rows then poll row 0
+    of every partial. Fresh table reads must be ready (H200, session 7: NaN-initialized local
+    slots raised the flag at round 0 of every graphed run); NaN there does raise it."""
+    rc = RuntimeConfig(ops="kernels", device="cpu", max_width=8, ring_pad=64, max_positions=512,
+                       policy=FixedDepth(1), prefetch=False)
+    ops = RankEngine(weights, rc, _table(), seed=1, reduce="table").ops
+    h = torch.zeros(8, CFG.target.hidden_size, dtype=torch.bfloat16)
+    w = torch.ones(CFG.target.hidden_size, dtype=torch.bfloat16)
+    none = Live.of(0, "cpu")
+
+    def flag_after(read):
+        flag = torch.zeros(1, dtype=torch.int32)
+        moe_tail(read.partials, h, w, none.t, flag, eps=1e-6, ffn_out_scale=1.0, max_polls=2,
+                 rearm=read.rearm)
+        return flag.item()
+
+    reads = list(ops.reads.values())
+    assert len(reads) == len(ops.attn_buf) + len(ops.moe_buf)
+    assert [flag_after(r) for r in reads] == [0] * len(reads)
+    reads[0].partials.buffers[0].fill_(float("nan"))
+    assert flag_after(reads[0]) == 1

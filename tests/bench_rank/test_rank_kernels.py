@@ -18,7 +18,8 @@ def test_one_round_on_the_kernels(device):
     w = random_weights(cfg, device, 0, 256)
     table = uniform_table(4, t.num_hidden_layers - 1, 8, t.num_experts, t.num_experts_per_tok).ids
     rc = RuntimeConfig(ops="kernels", device=str(device), max_width=4, ring_pad=8,
-                       max_positions=256, policy=FixedDepth(3), prefetch=False)
+                       max_positions=256, policy=FixedDepth(3), prefetch=False,
+                       sync_rounds=1)  # more would launch finished rounds, stepping the table
     eng = RankEngine(w, rc, table, seed=0)
     assert eng.ops.name == "rank-kernels"
     res = eng.generate(eng.request(60, 2))

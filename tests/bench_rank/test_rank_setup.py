@@ -129,3 +129,21 @@ def test_targets_are_judged_against_the_issue():
     s = summarize(_record(3.1e-3, 3.1e-3 + 1.2 * kv_s * 1.01, 15e-3))
     assert not s["headline"]["ok"] and not s["growth"]["ok"] and not s["speedup"]["ok"]
     assert "not met" in markdown(_record(3.1e-3, 4e-3, 1e-3))
+
+
+def test_a_failed_configuration_fails_the_run(tmp_path, capsys, monkeypatch):
+    """The record keeps every part's error, and the exit status says the run is not complete
+    (H200, session 7: a failing `--reduce table` row exited 0)."""
+    import benchmarks.rank.sweep as sweep
+
+    rows = [{"context_name": "1K", "policy": "W6", "round_s": 1e-3},
+            {"context_name": "4K", "policy": "W6", "error": "EngineError: readiness"}]
+    record = {"configs": rows, "eager": {"error": "RuntimeError: x"},
+              "baseline": {"variants": {"compile-gather": {"error": "no compile"}}}}
+    assert bench_main.failures(record) == ["4K W6", "eager"]  # a baseline may not compile
+    assert bench_main.failures({"configs": rows[:1], "eager": None}) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sweep, "run_sweep", lambda spec, out, command: record)
+    code = bench_main.main(["--out", str(tmp_path / "r"), "--quick"])
+    assert code == bench_main.EXIT_FAILED
+    assert "2 part(s) failed" in capsys.readouterr().err
