@@ -47,6 +47,8 @@ class RuntimeConfig:
     tp_reduce: str = "gather"  # tensor parallelism: "gather" all-gathers the partials; "peer":
     # the tails read every rank's ring slot directly (iquestrt/tp/peer_ring.py; kernels ops)
     peer_max_polls: int = 1 << 24  # a tail's polls for peers' slots (ranks may lag: generous)
+    pdl: bool = False  # launch the kernels with programmatic dependent launch (kernels/launch.py;
+    # compiled kernels on a CUDA device of compute capability >= 9.0)
 
     def __post_init__(self) -> None:
         _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")
@@ -92,6 +94,11 @@ class RuntimeConfig:
             "peer_max_polls",
             f"must be an int in [1, 2^31), got {self.peer_max_polls!r}",
         )
+        _require(isinstance(self.pdl, bool), "pdl", f"must be a bool, got {self.pdl!r}")
+        _require(not self.pdl or (self.ops == "kernels"
+                                  and torch.device(self.device).type == "cuda"), "pdl",
+                 f"programmatic dependent launch needs ops='kernels' on a CUDA device, got "
+                 f"ops={self.ops!r} on {self.device!r}")
         _require(
             self.loop == "host" or self.graphs,
             "loop",

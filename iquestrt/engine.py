@@ -108,7 +108,7 @@ class Engine:
                              "tensor parallelism (iquestrt.tp.engine.TPEngine); one rank has no "
                              "partials to reduce")
         self.w, self.rcfg, self.cfg = weights, rcfg, cfg
-        self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls)
+        self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls, rcfg.pdl)
         self.target = TargetModel(weights, self.ops, rcfg.max_width,
                                   prefetcher if rcfg.prefetch else None)
         self.draft = DraftModel(weights, self.ops, rcfg.max_width)
@@ -125,7 +125,8 @@ class Engine:
         weights = load_weights(directory, rcfg.device, rcfg.max_positions)
         pre = None
         if rcfg.prefetch and has_predictors(directory):
-            pre = Prefetcher.load(directory, weights, PrefetchConfig(), rcfg.max_width, rcfg.ops)
+            pre = Prefetcher.load(directory, weights, PrefetchConfig(), rcfg.max_width, rcfg.ops,
+                                  pdl=rcfg.pdl)
         return cls(weights, rcfg, pre)
 
     def prefill_logits(self, tokens: list[int]):

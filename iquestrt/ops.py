@@ -24,8 +24,12 @@ from iquestrt.ops_twins import TwinOps
 __all__ = ["ROLLBACK_ROWS", "KernelOps", "Live", "TwinOps", "host_seed", "make_ops"]
 
 
-def make_ops(name: str, device, max_polls: int):
+def make_ops(name: str, device, max_polls: int, pdl: bool = False):
     table = {"kernels": KernelOps, "twins": TwinOps}
     if name not in table:
         raise ValueError(f"ops: unknown backend {name!r}; choose one of {sorted(table)}")
-    return table[name](torch.device(device), max_polls)
+    if name == "kernels":
+        return KernelOps(torch.device(device), max_polls, pdl=pdl)
+    if pdl:
+        raise ValueError("ops: pdl (programmatic dependent launch) needs the 'kernels' backend")
+    return TwinOps(torch.device(device), max_polls)

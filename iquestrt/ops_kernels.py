@@ -24,6 +24,7 @@ from kernels import sampler as k_sampler
 from kernels import tails as k_tails
 from kernels import verify as k_verify
 from kernels.fp8 import E4M3
+from kernels.launch import check_pdl
 from kernels.peer_partials import RingRead
 from kernels.sampler import SampleOut
 from kernels.verify import VerifyOut
@@ -35,13 +36,14 @@ ROLLBACK_ROWS = 8  # the rollback kernel's width: positions one settlement may r
 class KernelOps:
     name = "kernels"
 
-    def __init__(self, device: torch.device, max_polls: int):
+    def __init__(self, device: torch.device, max_polls: int, pdl: bool = False):
+        check_pdl(pdl, device)
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
                 "ops='kernels' on the CPU needs the Triton interpreter: set TRITON_INTERPRET=1 "
                 "before the first import of a kernels module (or use ops='twins')"
             )
-        self.dev, self.max_polls = device, max_polls
+        self.dev, self.max_polls, self.pdl = device, max_polls, pdl
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
 
     def reset(self) -> None:
@@ -50,30 +52,31 @@ class KernelOps:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
-        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype)
+        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype, pdl=self.pdl)
 
     def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None, out=None
                             ) -> torch.Tensor:
         return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq,
-                                            out=out)  # [S, R, N]
+                                            out=out, pdl=self.pdl)  # [S, R, N]
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
-        return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype)
+        return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype, pdl=self.pdl)
 
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
                 num_kv_heads, eps):
         return k_qk.qk_rope(parts, q_norm, k_norm, positions, table, live.t,
-                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+                            num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps,
+                            pdl=self.pdl)
 
     def write_kv(self, cache, k, v, positions, live: Live) -> None:
-        k_kv.write_kv(cache, k, v, positions, live.t)
+        k_kv.write_kv(cache, k, v, positions, live.t, pdl=self.pdl)
 
     def rollback(self, cache, keep, written) -> None:
         """keep/written: host ints, or device [1] scalars (a device-resident round)."""
-        k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS)
+        k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS, pdl=self.pdl)
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
-        return k_attention.attention(q, cache, positions, live.t, sink_k, scale)
+        return k_attention.attention(q, cache, positions, live.t, sink_k, scale, pdl=self.pdl)
 
     def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
         """→ (o [R, Hq, D], (E4M3 [R, Hq·D], scales) = quantize_act of o made by the combine
@@ -86,7 +89,7 @@ class KernelOps:
         xq = (torch.empty(r, hq * d, dtype=E4M3, device=self.dev),
               torch.empty(r, -(-hq * d // 128), dtype=torch.float32, device=self.dev))
         o = k_attention.attention(q, cache, positions, live.t, sink_k, scale, config=cfg,
-                                  quant_out=xq)
+                                  quant_out=xq, pdl=self.pdl)
         return o, xq
 
     def attn_tail(self, parts, xn, attn_out_norm, ffn_norm, live: Live, flag, *, eps,
@@ -101,14 +104,14 @@ class KernelOps:
         return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
                                  attn_out_scale=attn_out_scale, max_polls=polls, rearm=rearm,
                                  router_w=router_w, top_k=top_k, scratch=scratch,
-                                 quantize=quantize)
+                                 quantize=quantize, pdl=self.pdl)
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False) -> MoeTailOut:
         parts, rearm, polls = self._read(parts)
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
                                 ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
-                                quantize=quantize)
+                                quantize=quantize, pdl=self.pdl)
 
     def _read(self, parts):
         """Partials [N, R, H], or a RingRead of peers' slots → (partials, re-arm, poll bound)."""
@@ -119,33 +122,37 @@ class KernelOps:
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
-                             out_dtype=out_dtype, quantized=xq, out=out)
+                             out_dtype=out_dtype, quantized=xq, out=out, pdl=self.pdl)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
-        return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t)
+        return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t,
+                                pdl=self.pdl)
 
     def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
                n_drafts: Live) -> VerifyOut:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
-                               n_drafts=n_drafts.t)
+                               n_drafts=n_drafts.t, pdl=self.pdl)
 
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):
         return k_rows.norm_rows(a, w, live.t, eps, b=b, wb=wb, sum_dtype=sum_dtype,
-                                store_sum=store_sum, y_out=y_out, y_dtype=y_dtype)
+                                store_sum=store_sum, y_out=y_out, y_dtype=y_dtype,
+                                pdl=self.pdl)
 
     def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
                     live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
         return k_entry.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
-                                   live.t, embed, enorm, hnorm, eps, eh_out, pos_out)
+                                   live.t, embed, enorm, hnorm, eps, eh_out, pos_out,
+                                   pdl=self.pdl)
 
     def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
                 live: Live, embed, enorm, hnorm, eps, weight, pos_out):
         return k_eh_proj.eh_proj(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
-                                 live.t, embed, enorm, hnorm, eps, weight, pos_out)
+                                 live.t, embed, enorm, hnorm, eps, weight, pos_out,
+                                 pdl=self.pdl)
 
     def silu_mul_rows(self, g, u, live: Live):
-        return k_rows.silu_mul_rows(g, u, live.t)
+        return k_rows.silu_mul_rows(g, u, live.t, pdl=self.pdl)
 
     def route_rows(self, x, router_w, top_k: int, live: Live):
-        return k_rows.route_rows(x, router_w, top_k, live.t)
+        return k_rows.route_rows(x, router_w, top_k, live.t, pdl=self.pdl)

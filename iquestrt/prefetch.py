@@ -57,9 +57,10 @@ class PrefetchConfig:
 
 class Prefetcher:
     def __init__(self, weights: Weights, predictors: dict[int, torch.Tensor], m: int,
-                 cfg: PrefetchConfig, rows: int, launch: bool):
+                 cfg: PrefetchConfig, rows: int, launch: bool, pdl: bool = False):
         """predictors: {layer: P [H, E] BF16}; rows: the model's row buffer R; launch: run the
-        kernels (False: maybe_prefetch never does anything)."""
+        kernels (False: maybe_prefetch never does anything); pdl: launch them with programmatic
+        dependent launch (kernels/launch.py)."""
         t = weights.cfg.target
         moe = {layer.index: layer.moe for layer in weights.layers if layer.moe is not None}
         for i, p in predictors.items():
@@ -71,7 +72,7 @@ class Prefetcher:
         self.m = cfg.m or m
         if not 1 <= self.m <= t.num_experts:
             raise ValueError(f"prefetch: m = {self.m} outside [1, {t.num_experts}]")
-        self.cfg, self.launch = cfg, launch and cfg.enabled
+        self.cfg, self.launch, self.pdl = cfg, launch and cfg.enabled, pdl
         self.p = {i: p.to(weights.device, torch.bfloat16).contiguous()
                   for i, p in predictors.items()}
         self.moe = {i: moe[i] for i in predictors}
@@ -84,11 +85,12 @@ class Prefetcher:
 
     @classmethod
     def load(cls, directory: str | Path, weights: Weights, cfg: PrefetchConfig, rows: int,
-             ops_name: str) -> Prefetcher:
+             ops_name: str, pdl: bool = False) -> Prefetcher:
         """The predictor file beside the checkpoint (reference/prefetch.py); launches only with
         the "kernels" backend."""
         preds, meta = load_predictors(predictor_dir(directory), weights.cfg)
-        return cls(weights, preds, int(meta["m"]), cfg, rows, launch=ops_name == "kernels")
+        return cls(weights, preds, int(meta["m"]), cfg, rows, launch=ops_name == "kernels",
+                   pdl=pdl)
 
     def maybe_prefetch(self, layer_index: int, xn: torch.Tensor, live: Live):
         """xn [R, H] bf16: the layer's attention input. → the layer's PrefetchBuffers when the
@@ -100,4 +102,5 @@ class Prefetcher:
             return None
         m = self.moe[layer_index]
         return prefetch_experts(xn, live.t, self.p[layer_index], m.fc, m.fc_s, self.m,
-                                c.min_rows, c.max_rows, buffers=self.buffers[layer_index])
+                                c.min_rows, c.max_rows, buffers=self.buffers[layer_index],
+                                pdl=self.pdl)

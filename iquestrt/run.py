@@ -117,6 +117,9 @@ def _runtime(a, ckpt, req, policy):
     if a.loop == "device" and not a.graphs:
         raise ValueError("--loop device: the device loop replays the round's CUDA graph; add "
                          "--graphs")
+    if a.pdl and not (gpu and ops == "kernels"):
+        raise ValueError(f"--pdl: programmatic dependent launch needs the compiled kernels on a "
+                         f"GPU (ops {ops}, {'a GPU' if gpu else 'no GPU'} visible)")
     from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
     from iquestrt.engine import Engine
 
@@ -130,6 +133,7 @@ def _runtime(a, ckpt, req, policy):
         graphs=a.graphs,
         loop=a.loop,
         tp_reduce=a.tp_reduce,
+        pdl=a.pdl,
     )
     if a.tp > 1:
         engine = _tp_engine(ckpt, rcfg)

@@ -46,6 +46,7 @@ from kernels.attention_common import (
     n_live_tensor,
     rne_bf16,
 )
+from kernels.launch import launch_opts, pdl_enter
 from reference.kv_layout import LayerKV
 
 __all__ = ["AttentionConfig", "Partials", "attention", "attention_combine", "attention_split",
@@ -151,8 +152,9 @@ def _split_kernel(
     s_os, s_or, s_oh, s_ls, s_lr,
     G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_TILES: tl.constexpr,
-    RING: tl.constexpr, SLIDING: tl.constexpr, INTERPRET: tl.constexpr,
+    RING: tl.constexpr, SLIDING: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     split = tl.program_id(0)
     g = tl.program_id(1)
     n_live = tl.load(n_live_ptr)
@@ -249,14 +251,16 @@ def attention_split(
     scale: float,
     *,
     config: AttentionConfig | None = None,
+    pdl: bool = False,  # programmatic dependent launch (kernels/launch.py)
 ) -> Partials:
     _check_inputs(q, cache, q_pos, None, "attention_split")
     return _launch_split(q, cache, q_pos, n_live_tensor(n_live, q.device), scale,
                          config or pick_config(cache.layout.head_dim, cache.layout.capacity,
-                                               cache.layout.ring))
+                                               cache.layout.ring), pdl=pdl)
 
 
-def _launch_split(q, cache: LayerKV, q_pos, n_live_t, scale, cfg: AttentionConfig) -> Partials:
+def _launch_split(q, cache: LayerKV, q_pos, n_live_t, scale, cfg: AttentionConfig, *,
+                  pdl: bool = False) -> Partials:
     lay = cache.layout
     r, hq, d = q.shape
     g = hq // lay.kv_heads
@@ -272,7 +276,7 @@ def _launch_split(q, cache: LayerKV, q_pos, n_live_t, scale, cfg: AttentionConfi
         G=g, D=d, BLOCK_M=max(16, triton.next_power_of_2(r * g)), BLOCK_N=cfg.block_n,
         NUM_SPLITS=s, MIN_TILES=cfg.min_tiles_per_split,
         RING=lay.ring, SLIDING=lay.window is not None, INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(pdl),
     )
     return Partials(po, pl)
 
@@ -289,6 +293,7 @@ def attention(
     *,
     config: AttentionConfig | None = None,
     quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,  # see attention_combine
+    pdl: bool = False,  # programmatic dependent launch (kernels/launch.py), both launches
 ) -> torch.Tensor:
     _check_inputs(q, cache, q_pos, sink_k, "attention")
     lay = cache.layout
@@ -296,8 +301,8 @@ def attention(
     if out is None:
         out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     n = n_live_tensor(n_live, q.device)
-    parts = _launch_split(q, cache, q_pos, n, scale, cfg)
+    parts = _launch_split(q, cache, q_pos, n, scale, cfg, pdl=pdl)
     return attention_combine(parts, q, sink_k, n, scale, out,
                              heads_per_program=cfg.combine_heads,
                              unroll=cfg.combine_unroll, combine_warps=cfg.combine_warps,
-                             quant_out=quant_out)
+                             quant_out=quant_out, pdl=pdl)

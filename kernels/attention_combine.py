@@ -23,6 +23,7 @@ from kernels.attention_common import (
     rne_bf16,
 )
 from kernels.fp8 import check_quantized, quantize_stored_groups
+from kernels.launch import launch_opts, pdl_enter
 
 
 @triton.jit
@@ -43,8 +44,9 @@ def _combine_kernel(
     s_os, s_or, s_oh, s_ls, s_lr, s_qr, s_qh, s_sk, s_outr, s_outh, s_oqr, s_osr,
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
     HB: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr, INTERPRET: tl.constexpr,
-    QUANT: tl.constexpr, QGROUPS: tl.constexpr,
+    QUANT: tl.constexpr, QGROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)  # query heads of this program [HB]
     n_live = tl.load(n_live_ptr)
@@ -123,10 +125,12 @@ def attention_combine(
     unroll: int = 1,
     combine_warps: int = 4,
     quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """quant_out = (E4M3 [R, Hq·D], fp32 [R, ⌈Hq·D/128⌉]) to fill with quantize_act(out viewed
     [R, Hq·D]) on the live rows, bit for bit (the O projection's operand); needs
-    combine_quantizes(...) and out's heads contiguous."""
+    combine_quantizes(...) and out's heads contiguous. pdl: programmatic dependent launch
+    (kernels/launch.py)."""
     s, r, hq, d = parts.o.shape
     if tuple(out.shape) != (r, hq, d) or out.stride(-1) != 1 or out.device != q.device:
         raise ValueError(f"attention_combine: out must be [{r}, {hq}, {d}] on {q.device}, last "
@@ -147,6 +151,7 @@ def attention_combine(
         G=hq // hkv, D=d, S=s, BLOCK_S=triton.next_power_of_2(s), HB=hb, UNROLL=unroll,
         HAS_SINK=sink_k is not None, INTERPRET=interpreting(),
         QUANT=quant_out is not None, QGROUPS=max(1, hb * d // 128), num_warps=combine_warps,
+        **launch_opts(pdl),
     )
     return out
 

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import check_tensor, live_count
+from kernels.launch import launch_opts, pdl_enter
 from kernels.tails import _bf16, _rms
 
 _COMPILE = dict(enable_fp_fusion=False)
@@ -67,8 +68,9 @@ def _draft_entry_kernel(
     tok_add, hid_add, pos_add, tok_max, hid_rows, vocab,
     stride_t, stride_h, stride_e, stride_eh, eps,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
-    TOK_PTR: tl.constexpr, HID_PTR: tl.constexpr, POS_PTR: tl.constexpr,
+    TOK_PTR: tl.constexpr, HID_PTR: tl.constexpr, POS_PTR: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     n = tl.load(n_live_ptr)
     p = _base(pos_base_ptr, pos_add, POS_PTR) + row
@@ -166,8 +168,11 @@ def draft_entry(
     eps: float,
     eh_out: torch.Tensor,  # [R, 2H] bf16, unit column stride: embedding half first
     pos_out: torch.Tensor,  # [R] int32
+    *,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """→ (eh_out, pos_out): live rows of eh_out and every row of pos_out written."""
+    """→ (eh_out, pos_out): live rows of eh_out and every row of pos_out written.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     check_tensor("draft_entry: eh_out", eh_out, dims=2, dtypes=(torch.bfloat16,))
     R = eh_out.shape[0]
     if R < 1:
@@ -181,6 +186,7 @@ def draft_entry(
     _draft_entry_kernel[(R,)](
         *ptrs, eh_out, pos_out, *ints,
         tokens_src.stride(0), hid_src.stride(0), embed.stride(0), eh_out.stride(0), float(eps),
-        HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), **consts, num_warps=4, **_COMPILE,
+        HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), **consts, num_warps=4,
+        **launch_opts(pdl, **_COMPILE),
     )
     return eh_out, pos_out

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from kernels.draft_entry import _base, _row_sources, _unit_cols, entry_args
 from kernels.fp8 import bf16_rne, check_tensor
+from kernels.launch import launch_opts, pdl_enter
 from kernels.linear import (
     _OUT_DTYPES,
     BLOCK_R,
@@ -55,8 +56,9 @@ def _eh_proj_kernel(
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr,
     INTERPRET: tl.constexpr, TOK_PTR: tl.constexpr, HID_PTR: tl.constexpr,
-    POS_PTR: tl.constexpr,
+    POS_PTR: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)
@@ -125,9 +127,11 @@ def eh_proj(
     out: torch.Tensor | None = None,  # [R, N] out_dtype, unit stride in N
     partials: torch.Tensor | None = None,  # [S, R, N] fp32 workspace when S > 1
     config: LinearLaunch | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """→ (out [R, N], pos_out): draft_entry then linear_bf16_f32 in one GEMM launch (+ the split
-    reduction when S > 1). Live rows of out and every row of pos_out written; capturable."""
+    reduction when S > 1). Live rows of out and every row of pos_out written; capturable.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     check_tensor("eh_proj: pos_out", pos_out, dims=1, dtypes=(torch.int32,))
     R = pos_out.shape[0]
     if not 1 <= R <= BLOCK_R:
@@ -159,8 +163,8 @@ def eh_proj(
         HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), KB=kb, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, BLOCK_R=BLOCK_R, OUT_BF16=s == 1 and out_dtype == torch.bfloat16,
         INTERPRET=_interpreting(), **consts, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_COMPILE,
+        num_stages=cfg.num_stages, **launch_opts(pdl, **_COMPILE),
     )
     if s > 1:
-        _finish(dst, a.n, out, s, R, big_n, out_dtype, cfg)
+        _finish(dst, a.n, out, s, R, big_n, out_dtype, cfg, pdl=pdl)
     return out, pos_out

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch_opts, pdl_enter
 from reference.params import FP8_BLOCK
 
 E4M3 = torch.float8_e4m3fn
@@ -94,8 +95,9 @@ def quantize_stored_groups(src_ptr, q_ptr, s_ptr, row, live, col0, cols, stride_
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, n_live_ptr,
     C, stride_xr, stride_xc, stride_qr, stride_sr,
-    ROWS_PER_LIVE: tl.constexpr, GROUPS: tl.constexpr,
+    ROWS_PER_LIVE: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     # Rows at or beyond n_live · ROWS_PER_LIVE are neither read nor written.
     if row >= tl.load(n_live_ptr) * ROWS_PER_LIVE:
@@ -113,8 +115,9 @@ def _act_quant_kernel(
 def _dequant_block_kernel(
     w_ptr, s_ptr, out_ptr, N, K,
     stride_wb, stride_wn, stride_wk, stride_sb, stride_sn, stride_sk, stride_ob, stride_on,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(2).to(tl.int64)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
@@ -212,11 +215,13 @@ def quantize_act(
     q_out: torch.Tensor | None = None,  # [R, C] E4M3, contiguous rows
     scale_out: torch.Tensor | None = None,  # [R, Gc] fp32
     config: ActQuantLaunch | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic E4M3 quantization per row per 128 columns → (q [R, C], scales [R, Gc]).
 
     Only rows < n_live · rows_per_live are read and written; the rest of q_out / scale_out is left
     as it was (uninitialized when allocated here). Bit-exact with reference.ops.quantize_act.
+    pdl: programmatic dependent launch (kernels/launch.py).
     """
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     r, c = x.shape
@@ -243,6 +248,7 @@ def quantize_act(
     _act_quant_kernel[grid](
         x, q_out, scale_out, n, c, x.stride(0), x.stride(1), q_out.stride(0), scale_out.stride(0),
         ROWS_PER_LIVE=rows_per_live, GROUPS=cfg.groups, num_warps=cfg.num_warps,
+        **launch_opts(pdl),
     )
     return q_out, scale_out
 
@@ -253,9 +259,11 @@ def dequant_block(
     *,
     out: torch.Tensor | None = None,  # [..., N, K] fp32, contiguous
     config: DequantLaunch | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """E4M3 weights × FP32 inverse block scales → FP32 [..., N, K]; bit-exact with
-    reference.ops.dequant_block (one fp32 multiply per element)."""
+    reference.ops.dequant_block (one fp32 multiply per element).
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     check_tensor("w", w, dtypes=(E4M3,))
     if w.dim() < 2:
         raise ValueError(f"w: expected [..., N, K], got shape {tuple(w.shape)}")
@@ -278,5 +286,6 @@ def dequant_block(
     _dequant_block_kernel[grid](
         w3, s3, o3, n, k, *w3.stride(), *s3.stride(), o3.stride(0), o3.stride(1),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        **launch_opts(pdl),
     )
     return out

@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch_opts, pdl_enter
 from reference.kv_layout import EMPTY, KVLayout, LayerKV
 
 __all__ = ["EMPTY", "KVLayout", "LayerKV", "write_kv", "rollback"]
@@ -55,8 +56,9 @@ def _write_kv_kernel(
     ck_ptr, cv_ptr, label_ptr,  # cache K, V [C, Hkv, D]; slot_pos [C]
     C, HKV, D,
     s_kr, s_kh, s_vr, s_vh, s_cc, s_ch, s_vc, s_vch,
-    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    RING: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     n_live = tl.load(n_live_ptr)
     pos = tl.load(pos_ptr + r)
@@ -80,8 +82,9 @@ def _write_kv_kernel(
 @triton.jit
 def _rollback_kernel(
     label_ptr, keep_ptr, written_ptr, C,
-    RING: tl.constexpr, BLOCK: tl.constexpr, EMPTY_LABEL: tl.constexpr,
+    RING: tl.constexpr, BLOCK: tl.constexpr, EMPTY_LABEL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     keep = tl.load(keep_ptr)
     written = tl.load(written_ptr)
     p = keep + tl.arange(0, BLOCK)  # positions keep … written−1 (≤ BLOCK of them)
@@ -128,8 +131,11 @@ def write_kv(
     v: torch.Tensor,  # [R, Hkv, D]
     positions: torch.Tensor,  # [R] int32 on the cache's device
     n_live,  # 1-element int32 device tensor (no host sync) or an int
+    *,
+    pdl: bool = False,
 ) -> None:
-    """Store rows 0 … n_live−1 at slot(position) with their labels; padding rows untouched."""
+    """Store rows 0 … n_live−1 at slot(position) with their labels; padding rows untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     where = "write_kv"
     _check_cache(cache, where)
     lay, dev = cache.layout, cache.k.device
@@ -162,16 +168,18 @@ def write_kv(
         RING=lay.ring,
         BLOCK_H=triton.next_power_of_2(lay.kv_heads),
         BLOCK_D=triton.next_power_of_2(lay.head_dim),
-        num_warps=1,
+        num_warps=1, **launch_opts(pdl),
     )
 
 
 def rollback(
-    cache: LayerKV, keep_until_position, written_until_position, max_rows: int = 8
+    cache: LayerKV, keep_until_position, written_until_position, max_rows: int = 8, *,
+    pdl: bool = False,
 ) -> None:
     """Relabel the slots of positions keep … written−1 EMPTY (see the module comment for why
     labels alone suffice). Positions may be 1-element int32 device tensors (no host sync) or
-    ints; at most max_rows positions are rolled back (the kernel width)."""
+    ints; at most max_rows positions are rolled back (the kernel width). pdl: programmatic
+    dependent launch (kernels/launch.py)."""
     where = "rollback"
     _check_cache(cache, where)
     dev = cache.k.device
@@ -192,5 +200,5 @@ def rollback(
     _rollback_kernel[(1,)](
         cache.slot_pos, keep_t, written_t, cache.layout.capacity,
         RING=cache.layout.ring, BLOCK=triton.next_power_of_2(max_rows), EMPTY_LABEL=EMPTY,
-        num_warps=1,
+        num_warps=1, **launch_opts(pdl),
     )

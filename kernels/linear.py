@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
+from kernels.launch import launch_opts, pdl_enter
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs ≥ 16)
@@ -125,11 +126,12 @@ def _linear_fp8_kernel(
     stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_or, stride_on,
     K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     """x arrives quantized (kernels.fp8.quantize_act, one launch before this one): quantizing
     inside the K loop made every program redo ~2k IEEE divisions per 128-column block, which
     left the H200 run at 5-8% of HBM bandwidth (reports/benchmarks/h200-2026-11-29)."""
+    pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)  # [BR]
@@ -163,8 +165,9 @@ def _linear_bf16_kernel(
     stride_xr, stride_xk, stride_wn, stride_wk,
     stride_os, stride_or, stride_on,
     K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)
@@ -198,8 +201,9 @@ def dot_bf16(acc, w, xt, INTERPRET: tl.constexpr):
 def _reduce_splits_kernel(
     p_ptr, n_live_ptr, out_ptr, R, N,
     stride_ps, stride_pr, stride_or, stride_on,
-    S: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr,
+    S: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     if r >= tl.minimum(tl.load(n_live_ptr), R):
         return
@@ -251,25 +255,28 @@ def _partials_buffer(partials, s: int, r: int, n: int, device) -> torch.Tensor:
     return partials
 
 
-def _finish(partials, n_live, out, s, r, n, out_dtype, cfg: LinearLaunch) -> torch.Tensor:
+def _finish(partials, n_live, out, s, r, n, out_dtype, cfg: LinearLaunch, *,
+            pdl: bool = False) -> torch.Tensor:
     _reduce_splits_kernel[(r, triton.cdiv(n, cfg.reduce_block))](
         partials, n_live, out, r, n, partials.stride(0), partials.stride(1), *out.stride(),
         S=s, BLOCK=cfg.reduce_block, OUT_BF16=out_dtype == torch.bfloat16, num_warps=4,
+        **launch_opts(pdl),
     )
     return out
 
 
-def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=None):
+def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=None, *,
+                pdl=False):
     r, k = x.shape
     big_n = weight.shape[0]
     # [R, K] E4M3, [R, ⌈K/128⌉] fp32; rows ≥ n untouched
-    xq, sx = quantize_act(x, n) if quantized is None else quantized
+    xq, sx = quantize_act(x, n, pdl=pdl) if quantized is None else quantized
     stride_os = dst.stride(0) if dst.dim() == 3 else 0
     _linear_fp8_kernel[(triton.cdiv(big_n, cfg.block_n), s)](
         xq, sx, weight, scale_inv, n, dst, r, big_n, xq.stride(0), sx.stride(0),
         *weight.stride(), *scale_inv.stride(), stride_os, dst.stride(-2), dst.stride(-1),
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, OUT_BF16=out_bf16,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(pdl),
     )
 
 
@@ -301,17 +308,19 @@ def linear_fp8_partials(
     out: torch.Tensor | None = None,  # [S, R, N] fp32, unit stride in N
     config: LinearLaunch | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Split-K partial products [S, R, N] FP32 (S = linear_fp8_splits(K, config)); the consumer
     sums them in the order s = 0, 1, …, S−1. Rows ≥ n untouched. quantized = (xq [R, K] E4M3
     with unit column stride, sx [R, ⌈K/128⌉] fp32) must equal quantize_act(x) on the live rows
-    (a producer that quantized x already, kernels/tails.py moe_tail): no quantization launch."""
+    (a producer that quantized x already, kernels/tails.py moe_tail): no quantization launch.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     r, k, big_n, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
     n = live_count(n_live, r, x.device)
     if quantized is not None:
         quantized = check_quantized("quantized", quantized, r, k, x.device)
     out = _partials_buffer(out, s, r, big_n, x.device)
-    _launch_fp8(x, weight, scale_inv, n, out, s, kb, False, cfg, quantized)
+    _launch_fp8(x, weight, scale_inv, n, out, s, kb, False, cfg, quantized, pdl=pdl)
     return out
 
 
@@ -325,10 +334,12 @@ def linear_fp8(
     out: torch.Tensor | None = None,  # [R, N] out_dtype, unit stride in N
     partials: torch.Tensor | None = None,  # [S, R, N] fp32 workspace when S > 1
     config: LinearLaunch | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """y = quantize_act(x) · dequant(W)ᵀ → [R, N] (bf16 RNE or fp32), rows ≥ n untouched.
 
-    n_live is never read on the host: the call is CUDA-graph capturable for a fixed R."""
+    n_live is never read on the host: the call is CUDA-graph capturable for a fixed R.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     r, k, big_n, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
     if out_dtype not in _OUT_DTYPES:
         raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
@@ -337,11 +348,12 @@ def linear_fp8(
         out = torch.empty(r, big_n, dtype=out_dtype, device=x.device)
     _check_out("out", out, (r, big_n), out_dtype, x.device)
     if s == 1:
-        _launch_fp8(x, weight, scale_inv, n, out, 1, kb, out_dtype == torch.bfloat16, cfg)
+        _launch_fp8(x, weight, scale_inv, n, out, 1, kb, out_dtype == torch.bfloat16, cfg,
+                    pdl=pdl)
         return out
     partials = _partials_buffer(partials, s, r, big_n, x.device)
-    _launch_fp8(x, weight, scale_inv, n, partials, s, kb, False, cfg)
-    return _finish(partials, n, out, s, r, big_n, out_dtype, cfg)
+    _launch_fp8(x, weight, scale_inv, n, partials, s, kb, False, cfg, pdl=pdl)
+    return _finish(partials, n, out, s, r, big_n, out_dtype, cfg, pdl=pdl)
 
 
 def linear_bf16_f32(
@@ -353,8 +365,10 @@ def linear_bf16_f32(
     out: torch.Tensor | None = None,  # [R, N] out_dtype, unit stride in N
     partials: torch.Tensor | None = None,  # [S, R, N] fp32 workspace when S > 1
     config: LinearLaunch | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
-    """y = x · Wᵀ with an FP32 product → [R, N] FP32 (logits) or bf16 RNE; rows ≥ n untouched."""
+    """y = x · Wᵀ with an FP32 product → [R, N] FP32 (logits) or bf16 RNE; rows ≥ n untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     r, k = _check_x(x, (torch.bfloat16,))
     big_n = _check_weight("weight", weight, (torch.bfloat16,), k, x.device)
     if out_dtype not in _OUT_DTYPES:
@@ -371,8 +385,8 @@ def linear_bf16_f32(
         dst.stride(0) if s > 1 else 0, dst.stride(-2), dst.stride(-1),
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_R=BLOCK_R,
         OUT_BF16=s == 1 and out_dtype == torch.bfloat16, INTERPRET=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(pdl),
     )
     if s == 1:
         return out
-    return _finish(dst, n, out, s, r, big_n, out_dtype, cfg)
+    return _finish(dst, n, out, s, r, big_n, out_dtype, cfg, pdl=pdl)

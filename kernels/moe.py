@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
+from kernels.launch import launch_opts, pdl_enter
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
@@ -103,8 +104,9 @@ def _moe_gate_up_kernel(
     stride_xqr, stride_xsr, stride_ir, stride_ik,
     stride_fe, stride_fn, stride_fk, stride_se, stride_sn, stride_sk, stride_ar,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     e, lead, hit = _expert_rows(ids_ptr, n_live, stride_ir, stride_ik, K, K_PAD, S_PAD, BLOCK_R)
     if lead == 0:
@@ -147,8 +149,9 @@ def _moe_down_kernel(
     stride_aqr, stride_asr, stride_ir, stride_ik,
     stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_yr,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     e, lead, hit = _expert_rows(ids_ptr, n_live, stride_ir, stride_ik, K, K_PAD, S_PAD, BLOCK_R)
     if lead == 0:
@@ -181,8 +184,9 @@ def _moe_down_kernel(
 def _moe_combine_kernel(
     y_ptr, w_ptr, n_live_ptr, out_ptr, H,
     stride_yr, stride_wr, stride_wk, stride_or,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0)
     if r >= tl.load(n_live_ptr):
         return
@@ -243,10 +247,12 @@ def moe_gate_up_fp8(
     out: torch.Tensor | None = None,  # [R·K, I] fp32, unit column stride
     config: MoeLaunch | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Stage 1: SiLU(gate)·up per slot, FP32 [R·K, I]; slots of rows ≥ n untouched. quantized =
     (xq [R, H] E4M3, xs [R, ⌈H/128⌉] fp32), unit column strides, equal to quantize_act(x) on the
-    live rows (kernels/tails.py attn_tail made it): no quantization launch."""
+    live rows (kernels/tails.py attn_tail made it): no quantization launch.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     r, hidden = x.shape
     _check_rows(r)
@@ -264,7 +270,7 @@ def moe_gate_up_fp8(
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     cfg = config or moe_launch(hidden, inter)
     if quantized is None:
-        xq, xs = quantize_act(x, n)
+        xq, xs = quantize_act(x, n, pdl=pdl)
     else:
         xq, xs = check_quantized("quantized", quantized, r, hidden, dev)
     grid = (r * k, triton.cdiv(inter, cfg.gate_up_block_n))
@@ -275,6 +281,7 @@ def moe_gate_up_fp8(
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.gate_up_block_n,
         BLOCK_R=BLOCK_R, num_warps=cfg.num_warps, num_stages=cfg.gate_up_stages,
+        **launch_opts(pdl),
     )
     return out
 
@@ -290,9 +297,11 @@ def moe_down_fp8(
     out: torch.Tensor | None = None,  # [R, H] out_dtype, unit column stride
     out_dtype: torch.dtype = torch.bfloat16,
     config: MoeLaunch | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Stage 2: requantize a per slot per 128 columns, down GEMM, k-ordered weighted sum → [R, H]
-    (bf16 by default, or fp32); rows ≥ n untouched."""
+    (bf16 by default, or fp32); rows ≥ n untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     dev = weights.device
     check_tensor("weights", weights, dims=2, dtypes=(torch.float32,), device=dev)
     r = weights.shape[0]
@@ -312,7 +321,7 @@ def moe_down_fp8(
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     cfg = config or moe_launch(hidden, inter)
-    aq, sa = quantize_act(a, n, rows_per_live=k)
+    aq, sa = quantize_act(a, n, rows_per_live=k, pdl=pdl)
     y = torch.empty(r * k, hidden, dtype=torch.float32, device=dev)  # [S, H] per-slot outputs
     s_pad = max(16, triton.next_power_of_2(r * k))
     _moe_down_kernel[(r * k, triton.cdiv(hidden, cfg.down_block_n))](
@@ -321,12 +330,12 @@ def moe_down_fp8(
         *proj.stride(), *proj_scale_inv.stride(), y.stride(0),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=s_pad, BLOCK_N=cfg.down_block_n,
         BLOCK_R=BLOCK_R,
-        num_warps=cfg.num_warps, num_stages=cfg.down_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.down_stages, **launch_opts(pdl),
     )
     _moe_combine_kernel[(r, triton.cdiv(hidden, cfg.combine_block_h))](
         y, weights, n, out, hidden, y.stride(0), weights.stride(0), weights.stride(1),
         out.stride(0), K=k, BLOCK_H=cfg.combine_block_h, OUT_BF16=out_dtype == torch.bfloat16,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **launch_opts(pdl),
     )
     return out
 
@@ -345,17 +354,20 @@ def moe_fp8(
     out_dtype: torch.dtype = torch.bfloat16,
     config: MoeLaunch | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # see moe_gate_up_fp8
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
 
     n_live is never read on the host, so the call is CUDA-graph capturable for a fixed R. Rows ≥ n
     of x, weights, ids are never read and of out never written. ids must be valid expert indices
     (checked by the router, not here: checking device values would need a host sync).
+    pdl: programmatic dependent launch (kernels/launch.py).
     """
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if proj.dim() == 3 and proj.shape[1] != x.shape[1]:
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
     n = live_count(n_live, x.shape[0], x.device)
-    a = moe_gate_up_fp8(x, ids, fc, fc_scale_inv, n, config=config, quantized=quantized)
+    a = moe_gate_up_fp8(x, ids, fc, fc_scale_inv, n, config=config, quantized=quantized,
+                        pdl=pdl)
     return moe_down_fp8(a, weights, ids, proj, proj_scale_inv, n, out=out, out_dtype=out_dtype,
-                        config=config)
+                        config=config, pdl=pdl)

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, check_tensor, live_count
+from kernels.launch import launch_opts, pdl_enter
 from reference.params import FP8_BLOCK
 from reference.prefetch import SCORE_CHUNK
 
@@ -61,8 +62,9 @@ def _live(n_live_ptr, R, min_rows, max_rows):
 def _prefetch_scores_kernel(
     x_ptr, p_ptr, n_live_ptr, part_ptr, R, H, E, min_rows, max_rows,
     stride_xr, stride_ph, stride_pj, stride_pr,
-    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n, on = _live(n_live_ptr, R, min_rows, max_rows)
     if on == 0:
         return
@@ -85,8 +87,9 @@ def _prefetch_scores_kernel(
 @triton.jit
 def _prefetch_select_kernel(
     part_ptr, n_live_ptr, ids_ptr, R: tl.constexpr, E, J: tl.constexpr, M: tl.constexpr,
-    min_rows, max_rows, stride_pj, stride_pr, BLOCK_EALL: tl.constexpr,
+    min_rows, max_rows, stride_pj, stride_pr, BLOCK_EALL: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n, on = _live(n_live_ptr, R, min_rows, max_rows)
     if on == 0:
         return
@@ -113,8 +116,9 @@ def _prefetch_warm_kernel(
     ids_ptr, n_live_ptr, fc_ptr, fcs_ptr, sink_ptr, R, H: tl.constexpr, N2, E, SB: tl.constexpr,
     min_rows, max_rows,
     stride_fe, stride_fn, stride_fk, stride_se, stride_si,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     n, on = _live(n_live_ptr, R, min_rows, max_rows)
     if on == 0:
         return
@@ -173,10 +177,12 @@ def prefetch_experts(
     *,
     buffers: PrefetchBuffers | None = None,
     config: PrefetchLaunch | None = None,
+    pdl: bool = False,
 ) -> PrefetchBuffers:
     """Predict m experts from the live rows of hidden and warm their gate/up bytes in L2 when
     min_rows ≤ n ≤ max_rows; otherwise every program returns at once and nothing is written.
-    Never reads n on the host (CUDA-graph capturable for fixed shapes)."""
+    Never reads n on the host (CUDA-graph capturable for fixed shapes). pdl: programmatic
+    dependent launch (kernels/launch.py), all three launches."""
     check_tensor("hidden", hidden, dims=2, dtypes=(torch.bfloat16,))
     dev = hidden.device
     r, h = hidden.shape
@@ -215,12 +221,13 @@ def prefetch_experts(
         hidden, p, n, buf.partials, r, h, e, min_rows, max_rows,
         hidden.stride(0), p.stride(0), buf.partials.stride(0), buf.partials.stride(1),
         CHUNK=SCORE_CHUNK, BLOCK_R=triton.next_power_of_2(r), BLOCK_E=cfg.block_e,
-        num_warps=cfg.num_warps, **_COMPILE,
+        num_warps=cfg.num_warps, **launch_opts(pdl, **_COMPILE),
     )
     _prefetch_select_kernel[(1,)](
         buf.partials, n, buf.ids, r, e, j, m, min_rows, max_rows,
         buf.partials.stride(0), buf.partials.stride(1),
-        BLOCK_EALL=triton.next_power_of_2(e), num_warps=cfg.num_warps, **_COMPILE,
+        BLOCK_EALL=triton.next_power_of_2(e), num_warps=cfg.num_warps,
+        **launch_opts(pdl, **_COMPILE),
     )
     fc8 = fc.view(torch.uint8)  # the same bytes; integer sums need no FP8 support
     fs8 = fc_s.view(torch.uint8).reshape(e, -1)  # [E, SB] scale bytes per expert
@@ -228,6 +235,6 @@ def prefetch_experts(
         buf.ids, n, fc8, fs8, buf.sink, r, h, two_i, e, fs8.shape[1], min_rows, max_rows,
         *fc8.stride(), fs8.stride(0), buf.sink.stride(0),
         BLOCK_N=cfg.warm_block_n, BLOCK_K=cfg.warm_block_k, BLOCK_S=cfg.scale_block,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, **launch_opts(pdl),
     )
     return buf

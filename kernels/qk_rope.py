@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import bf16_rne, check_tensor, live_count
+from kernels.launch import launch_opts, pdl_enter
 from reference import ops
 
 
@@ -81,8 +82,9 @@ def _qk_rope_kernel(
     stride_s, stride_r, stride_c, stride_tp,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-    S: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+    S: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     half: tl.constexpr = ROT // 2
     row = tl.program_id(0)
     head = tl.program_id(1)  # [0, HQ) q, [HQ, HQ + HKV) k, then v
@@ -154,8 +156,10 @@ def qk_rope(
     k_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
     v_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
     config: QkRopeLaunch | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, D] bf16; rows ≥ n untouched."""
+    """→ q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, D] bf16; rows ≥ n untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() not in (2, 3):
         raise ValueError("qkv: expected [R, W] bf16 or [S, R, W] fp32 partials, got "
                          f"{getattr(qkv, 'shape', type(qkv).__name__)}")
@@ -208,6 +212,6 @@ def qk_rope(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s,
         NORM=q_norm_weight is not None, BLOCK_D=triton.next_power_of_2(d),
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return q, k, v

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import check_tensor, live_count
+from kernels.launch import launch_opts, pdl_enter
 from kernels.tails import _bf16, _rms
 
 _COMPILE = dict(enable_fp_fusion=False)
@@ -35,7 +36,9 @@ def _norm_rows_kernel(
     stride_a, stride_b, stride_s, stride_y, eps,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, HAS_B: tl.constexpr, SUM_BF16: tl.constexpr,
     STORE_S: tl.constexpr, HAS_W: tl.constexpr, Y_BF16: tl.constexpr, B_BF16: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
         return
@@ -67,7 +70,8 @@ def _norm_rows_kernel(
 
 @triton.jit
 def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_live_ptr, stride_g, stride_u, stride_o,
-                     F: tl.constexpr, BLOCK_F: tl.constexpr):
+                     F: tl.constexpr, BLOCK_F: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
         return
@@ -83,7 +87,8 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_live_ptr, stride_g, stride_u, stri
 def _route_rows_kernel(x_ptr, rw_ptr, ids_ptr, wts_ptr, n_live_ptr, stride_x, stride_i,
                        stride_w, HIDDEN: tl.constexpr, EXPERTS: tl.constexpr,
                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-                       BLOCK_TOPK: tl.constexpr):
+                       BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
         return
@@ -135,8 +140,10 @@ def norm_rows(
     store_sum: bool = False,
     y_out: torch.Tensor | None = None,  # [R, H] (may be a strided column slice)
     y_dtype: torch.dtype = torch.bfloat16,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """→ (s [R, H] or None, y [R, H] or None); rows ≥ n_live untouched."""
+    """→ (s [R, H] or None, y [R, H] or None); rows ≥ n_live untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     R, H = a.shape
     dev = a.device
     _rows_2d("a", a, R, H, (torch.bfloat16, torch.float32))
@@ -164,13 +171,16 @@ def norm_rows(
         HIDDEN=H, BLOCK_H=triton.next_power_of_2(H), HAS_B=b is not None,
         SUM_BF16=sum_dtype == torch.bfloat16, STORE_S=store_sum, HAS_W=w is not None,
         Y_BF16=y is not None and y.dtype == torch.bfloat16,
-        B_BF16=b is not None and b.dtype == torch.bfloat16, num_warps=4, **_COMPILE,
+        B_BF16=b is not None and b.dtype == torch.bfloat16, num_warps=4,
+        **launch_opts(pdl, **_COMPILE),
     )
     return s, y
 
 
-def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor) -> torch.Tensor:
-    """g, u [R, F] bf16 → act [R, F] bf16 = bf16(silu(g) · u); rows ≥ n_live untouched."""
+def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor, *,
+                  pdl: bool = False) -> torch.Tensor:
+    """g, u [R, F] bf16 → act [R, F] bf16 = bf16(silu(g) · u); rows ≥ n_live untouched.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     R, F = g.shape
     _rows_2d("g", g, R, F, (torch.bfloat16,))
     _rows_2d("u", u, R, F, (torch.bfloat16,))
@@ -179,14 +189,14 @@ def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor) -> tor
     block = min(1024, triton.next_power_of_2(F))
     _silu_mul_kernel[(R, triton.cdiv(F, block))](g, u, out, n, g.stride(0), u.stride(0),
                                                  out.stride(0), F=F, BLOCK_F=block, num_warps=4,
-                                                 **_COMPILE)
+                                                 **launch_opts(pdl, **_COMPILE))
     return out
 
 
-def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torch.Tensor, *,
+               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R, H] bf16 | fp32, router_w [E, H] → (weights [R, K] fp32, ids [R, K] int32); rows ≥
-    n_live hold NaN / −1."""
+    n_live hold NaN / −1. pdl: programmatic dependent launch (kernels/launch.py)."""
     R, H = x.shape
     _rows_2d("x", x, R, H, (torch.bfloat16, torch.float32))
     E = router_w.shape[0]
@@ -202,5 +212,6 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torc
     _route_rows_kernel[(R,)](x, router_w, ids, wts, n, x.stride(0), ids.stride(0),
                              wts.stride(0), HIDDEN=H, EXPERTS=E, BLOCK_E=be,
                              BLOCK_K=max(16, min(128, 8192 // be)), TOP_K=top_k,
-                             BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4, **_COMPILE)
+                             BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4,
+                             **launch_opts(pdl, **_COMPILE))
     return wts, ids

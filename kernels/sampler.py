@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from kernels.launch import launch_opts
 from kernels.sampler_checks import (
     _check,
     _check_positions,
@@ -107,7 +108,8 @@ def _tiles(shard_vocab: int, kp: int, cfg: SamplerLaunch) -> int:
     return tiles
 
 
-def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0, values=None):
+def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0, values=None, *,
+          pdl=False):
     """Launch 1: per-tile top-K keys, cand [R, N, T, KP]. values: DeviceSampling.values."""
     R, V = x.shape
     base, rem = divmod(V, shards)
@@ -117,12 +119,14 @@ def _scan(x, k, kp, greedy, temperature, shards, n_live, cfg, id_offset=0, value
         x, cand, n_live, float(temperature), values if values is not None else x, id_offset,
         base, rem, x.stride(0), *cand.stride()[:3],
         K=k, KP=kp, TILE=cfg.tile, GREEDY=greedy, BITONIC=cfg.select == "bitonic",
-        VALS_FROM_PTR=values is not None, num_warps=cfg.scan_warps, **_COMPILE,
+        VALS_FROM_PTR=values is not None, num_warps=cfg.scan_warps,
+        **launch_opts(pdl, **_COMPILE),
     )
     return cand
 
 
-def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, values=None):
+def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, values=None,
+           pdl=False):
     """Launch 2/3 over candidates [R, S, G, KP]: keys_out [R, S, KP] (local) or final sampling."""
     R, S = cand.shape[0], cand.shape[1]
     cp = triton.next_power_of_2(groups * kp)
@@ -149,7 +153,7 @@ def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, value
         K=k, KP=kp, GP=triton.next_power_of_2(groups), CP=cp, FINAL=final is not None,
         GREEDY=greedy, SEED_FROM_PTR=seed_t is not None, LIBDEVICE=not _interpreting(),
         BITONIC=cfg.select == "bitonic", VALS_FROM_PTR=values is not None,
-        num_warps=cfg.merge_warps, **_COMPILE,
+        num_warps=cfg.merge_warps, **launch_opts(pdl, **_COMPILE),
     )
 
 
@@ -185,9 +189,11 @@ def sample(
     n_live: torch.Tensor | None = None,  # device int32 [1]; rows ≥ n_live are left untouched
     out: SampleOut | None = None,
     config: SamplerLaunch | None = None,
+    pdl: bool = False,
 ) -> SampleOut:
     """Served top-k/top-p candidates of each row and the token drawn from them (W = top_k, or
-    1 when greedy). Twin: reference.sampling_twins.sample_ref."""
+    1 when greedy). Twin: reference.sampling_twins.sample_ref.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     _check("logits", logits, 2, (torch.float32,), None)
     R, V = logits.shape
     if R < 1 or V < 1:
@@ -209,14 +215,15 @@ def sample(
     greedy = params.temperature == 0.0
     res = _outputs(out, R, k, dev)
     cfg = config or sampler_launch(-(-V // shards))
-    cand = _scan(logits, k, kp, greedy, params.temperature or 1.0, shards, n, cfg, values=values)
+    cand = _scan(logits, k, kp, greedy, params.temperature or 1.0, shards, n, cfg, values=values,
+                 pdl=pdl)
     if shards > 1:
         local = torch.empty(R, shards, kp, dtype=torch.int64, device=dev)
-        _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=local)
+        _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=local, pdl=pdl)
         cand = local[:, None]  # [R, 1, N, KP]: the shards' lists are the final merge's groups
     final = (res.tokens, res.ids, res.probs, positions, seed_v, seed_t, params.top_p,
              int(params.top_p < 1.0), purpose_v, index_v, greedy)
-    _merge(cand, cand.shape[2], n, k, kp, cfg, final=final, values=values)
+    _merge(cand, cand.shape[2], n, k, kp, cfg, final=final, values=values, pdl=pdl)
     return res
 
 
@@ -228,9 +235,11 @@ def topk_candidates(
     *,
     n_live: torch.Tensor | None = None,
     config: SamplerLaunch | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """One TP rank's top-K order keys [R, KP] int64 with global ids (launches 1 and 2); the
-    all-gathered [R, N, KP] keys go to `sample_from_candidates`."""
+    all-gathered [R, N, KP] keys go to `sample_from_candidates`.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     _check("logits", logits, 2, (torch.float32,), None)
     R, V = logits.shape
     if R < 1 or V < 1 or logits.stride(1) != 1:
@@ -247,9 +256,9 @@ def topk_candidates(
     n = _n_live(n_live, R, logits.device)
     cfg = config or sampler_launch(V)
     cand = _scan(logits, k, kp, params.temperature == 0.0, params.temperature or 1.0, 1, n, cfg,
-                 id_offset=vocab_offset, values=values)
+                 id_offset=vocab_offset, values=values, pdl=pdl)
     keys = torch.empty(R, 1, kp, dtype=torch.int64, device=logits.device)
-    _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=keys)
+    _merge(cand, cand.shape[2], n, k, kp, cfg, keys_out=keys, pdl=pdl)
     return keys[:, 0]
 
 
@@ -265,9 +274,11 @@ def sample_from_candidates(
     n_live: torch.Tensor | None = None,
     out: SampleOut | None = None,
     config: SamplerLaunch | None = None,
+    pdl: bool = False,
 ) -> SampleOut:
     """Launch 3 on gathered candidate lists: the global top-K, top-p and the draw (as `sample`).
-    keys may be any strided view, e.g. an all-gather's [N, R, KP] permuted to [R, N, KP]."""
+    keys may be any strided view, e.g. an all-gather's [N, R, KP] permuted to [R, N, KP].
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     _check("keys", keys, 3, (torch.int64,), None)
     R, G, KPk = keys.shape
     dev = keys.device
@@ -285,17 +296,19 @@ def sample_from_candidates(
     final = (res.tokens, res.ids, res.probs, positions, seed_v, seed_t, params.top_p,
              int(params.top_p < 1.0), purpose_v, index_v, params.temperature == 0.0)
     _merge(keys[:, None], G, n, k, kp, config or sampler_launch(vocab), final=final,
-           values=values)
+           values=values, pdl=pdl)
     return res
 
 
-def kernel_exp(x: torch.Tensor) -> torch.Tensor:
+def kernel_exp(x: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
     """The exp the sampler uses on x's device (libdevice on the GPU, NumPy's under the
-    interpreter), so tests can replay the sampling semantics bit for bit. x fp32 [n]."""
+    interpreter), so tests can replay the sampling semantics bit for bit. x fp32 [n].
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     _check("x", x, 1, (torch.float32,), None)
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
         _exp_kernel[(triton.cdiv(x.numel(), 1024),)](
-            x, y, x.numel(), BLOCK=1024, LIBDEVICE=not _interpreting(), **_COMPILE)
+            x, y, x.numel(), BLOCK=1024, LIBDEVICE=not _interpreting(),
+            **launch_opts(pdl, **_COMPILE))
     return y

@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from kernels.launch import pdl_enter
+
 EMPTY = tl.constexpr(-(2**63) + 1)  # below every real key
 U24 = tl.constexpr(5.9604644775390625e-08)  # 2^-24
 _COMPILE = dict(enable_fp_fusion=False, enable_reflect_ftz=False)  # ignored by the interpreter
@@ -138,8 +140,9 @@ def _scan_kernel(
     x_ptr, cand_ptr, n_live_ptr, temperature, vals_ptr, id_offset,
     shard_base, shard_rem, stride_xr, stride_cr, stride_cs, stride_ct,
     K: tl.constexpr, KP: tl.constexpr, TILE: tl.constexpr, GREEDY: tl.constexpr,
-    BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr,
+    BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
         return
@@ -174,7 +177,9 @@ def _merge_kernel(
     K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr,
     FINAL: tl.constexpr, GREEDY: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     LIBDEVICE: tl.constexpr, BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     if row >= tl.load(n_live_ptr):
         return
@@ -248,7 +253,9 @@ def _merge_kernel(
 
 
 @triton.jit
-def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+def _exp_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+                PDL: tl.constexpr):
+    pdl_enter(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
     tl.store(y_ptr + offs, exp_f32(x, LIBDEVICE), mask=offs < n)

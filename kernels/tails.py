@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_stored_groups
+from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
@@ -115,7 +116,9 @@ def _attn_tail_kernel(
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     n = tl.load(n_live_ptr)
     if pid < ROWS:
@@ -142,8 +145,9 @@ def _moe_tail_kernel(
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr,
+    REARM_PARTS: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     n = tl.load(n_live_ptr)
     cols = tl.arange(0, BLOCK_H)
@@ -273,6 +277,7 @@ def attn_tail(
     config: TailLaunch | None = None,
     router_max_polls: int = 1 << 20,
     quantize: bool = False,
+    pdl: bool = False,
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
     reference.tails.attn_tail_ref, padding rows untouched.
@@ -284,7 +289,8 @@ def attn_tail(
     the H200 with max_polls = 4). It is still finite: a row program that never finishes ends
     in the failure flag, not a hang.
     quantize: also out.fq / out.sf = kernels.fp8.quantize_act(f_in) bit for bit (the experts'
-    gate/up operand, so that moe_fp8 needs no quantization launch)."""
+    gate/up operand, so that moe_fp8 needs no quantization launch).
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     p = partials_arg(partials)
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,), device=p.device)
@@ -355,7 +361,7 @@ def attn_tail(
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_pow2(-(-hidden // 128)),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
-        num_warps=cfg.num_warps, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out
 
@@ -375,10 +381,12 @@ def moe_tail(
     polls: torch.Tensor | None = None,
     config: TailLaunch | None = None,
     quantize: bool = False,
+    pdl: bool = False,
 ) -> MoeTailOut:
     """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched.
     quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next layer's
-    QKV operand, so that its GEMM needs no quantization launch)."""
+    QKV operand, so that its GEMM needs no quantization launch).
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     p = partials_arg(partials)
     cfg = config or tail_launch(p.shape[-1])
     npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
@@ -406,6 +414,7 @@ def moe_tail(
         HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
         GROUPS=_pow2(-(-hidden // 128)), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
-        REARM_PARTS=re_parts, num_warps=cfg.num_warps, enable_fp_fusion=False,
+        REARM_PARTS=re_parts, num_warps=cfg.num_warps,
+        **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out

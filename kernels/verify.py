@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import launch_opts, pdl_enter
 from kernels.sampler_checks import seed_args
 from kernels.sampler_kernels import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
 
@@ -42,8 +43,9 @@ def _verify_kernel(
     acc_ptr, tok_ptr, bonus_ptr, emit_ptr, wf_ptr, wi_ptr,
     D, WP, WQ, s_pi, s_pp, s_qi, s_qp, b_pi, b_pp, b_qi, b_qp,
     DP: tl.constexpr, KP: tl.constexpr, KQ: tl.constexpr,
-    SEED_FROM_PTR: tl.constexpr, FIRST_FROM_PTR: tl.constexpr,
+    SEED_FROM_PTR: tl.constexpr, FIRST_FROM_PTR: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_enter(PDL)
     # program b verifies round b of a batch (b_* are the batch strides; one round: b = 0)
     b = tl.program_id(0).to(tl.int64)
     p_ids_ptr += b * b_pi
@@ -158,9 +160,11 @@ def verify(
     *,
     n_drafts: torch.Tensor | None = None,  # device int32 [1], live drafts ≤ D (default D)
     out: VerifyOut | None = None,
+    pdl: bool = False,
 ) -> VerifyOut:
     """Accepted count, replacement or bonus token, all written on the device.
-    Twin: reference.sampling_twins.verify_ref."""
+    Twin: reference.sampling_twins.verify_ref.
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     if not isinstance(drafts, torch.Tensor) or drafts.dim() != 1:
         _fail(f"drafts must be a 1-D tensor [D], got {getattr(drafts, 'shape', drafts)}")
     D, dev = drafts.shape[0], drafts.device
@@ -221,7 +225,7 @@ def verify(
         q_probs.stride(0) if D else 0, 0, 0, 0, 0,
         DP=max(2, triton.next_power_of_2(D + 1)), KP=kp,
         KQ=max(2, triton.next_power_of_2(wq)), SEED_FROM_PTR=seed_t is not None,
-        FIRST_FROM_PTR=first_t is not None, num_warps=4, **_COMPILE,
+        FIRST_FROM_PTR=first_t is not None, num_warps=4, **launch_opts(pdl, **_COMPILE),
     )
     return out
 
@@ -234,10 +238,13 @@ def verify_batch(
     drafts: torch.Tensor,  # [B, D]
     seed,  # int in [0, 2^64) or device int64 [1], shared by the batch
     first_positions: torch.Tensor,  # [B] int64 device: position of round b's drafts[0]
+    *,
+    pdl: bool = False,
 ) -> VerifyOut:
     """B independent rounds in one launch (program b = round b): exactly `verify` on each round's
     rows with its own first position — for the statistical gates, which sample ~10^5 rounds.
-    Outputs: n_accepted [B], next_token [B], bonus [B], emitted [B, D+1]."""
+    Outputs: n_accepted [B], next_token [B], bonus [B], emitted [B, D+1].
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     if not isinstance(drafts, torch.Tensor) or drafts.dim() != 2:
         _fail(f"drafts must be a 2-D tensor [B, D], got {getattr(drafts, 'shape', drafts)}")
     B, D = drafts.shape
@@ -283,6 +290,6 @@ def verify_batch(
         p_ids.stride(0), p_probs.stride(0), q_ids.stride(0), q_probs.stride(0),
         DP=max(2, triton.next_power_of_2(D + 1)), KP=kp,
         KQ=max(2, triton.next_power_of_2(wq)), SEED_FROM_PTR=seed_t is not None,
-        FIRST_FROM_PTR=True, num_warps=4, **_COMPILE,
+        FIRST_FROM_PTR=True, num_warps=4, **launch_opts(pdl, **_COMPILE),
     )
     return out

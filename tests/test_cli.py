@@ -153,6 +153,11 @@ def test_convert_quantizes_a_bf16_checkpoint(tmp_path):
              "--max-new-tokens", "3", "--loop", "device"],
             "--loop device: the device loop replays the round's CUDA graph; add --graphs",
         ),
+        (
+            ["generate", "--checkpoint", "{ckpt}", "--backend", "runtime", "--ops", "twins",
+             "--prompt-ids", "1", "--max-new-tokens", "3", "--pdl"],
+            "--pdl: programmatic dependent launch needs the compiled kernels on a GPU (ops twins",
+        ),
     ],
 )
 def test_bad_arguments_one_line_exit_2(argv, message, ckpt, tmp_path, capsys):
@@ -184,6 +189,7 @@ def test_help_explains_every_generate_option(capsys):
         "--draft-depth",
         "--graphs",
         "--loop",
+        "--pdl",
     ):
         assert opt in text
 

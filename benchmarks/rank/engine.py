@@ -77,7 +77,7 @@ class RankEngine(Engine):
                  seed: int = 0, peers: int = PEERS, reduce: str = "stacked"):
         super().__init__(weights, rcfg, None)
         self.ops = make_rank_ops(rcfg.ops, rcfg.device, rcfg.max_polls, weights, rcfg.max_width,
-                                 table, peers, reduce)
+                                 table, peers, reduce, rcfg.pdl)
         self.target.ops = self.draft.ops = self.ops
         self.seed = seed
         self.timing: Timing | None = None

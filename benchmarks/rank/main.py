@@ -19,6 +19,7 @@ from pathlib import Path
 CONTEXTS = {"1K": 1024, "4K": 4096, "16K": 16384, "64K": 65536, "128K": 131072, "192K": 196608}
 WIDTHS = (4, 5, 6, 7, 8)
 BASELINES = ("all", "eager", "compile", "none")
+PDL_MODES = ("off", "on", "ab")  # ab: every configuration with and without, runs alternating
 REDUCES = ("stacked", "table")  # how the tails read the partials (benchmarks/rank/ops.py)
 EXIT_USAGE = 2
 EXIT_FAILED = 1  # the record is written, with the failed parts' errors
@@ -45,6 +46,7 @@ class SweepSpec:
     seed: int = 0
     headline_width: int = 6
     reduce: str = "stacked"
+    pdl: str = "off"  # "on": kernels with programmatic dependent launch; "ab": both, side by side
 
     def __post_init__(self) -> None:
         bad = [w for w in self.widths if not (isinstance(w, int) and WIDTHS[0] <= w <= WIDTHS[-1])]
@@ -62,7 +64,8 @@ class SweepSpec:
                 raise BenchArgsError(f"--{name.replace('_', '-')}: {v!r} outside {lo}..{hi}")
         for name, allowed in (("baseline", BASELINES), ("routing", ("traces", "uniform")),
                               ("mapping", ("primary", "position")), ("loop", ("host", "device")),
-                              ("profile", ("all", "key", "none")), ("reduce", REDUCES)):
+                              ("profile", ("all", "key", "none")), ("reduce", REDUCES),
+                              ("pdl", PDL_MODES)):
             if getattr(self, name) not in allowed:
                 raise BenchArgsError(f"--{name}: {getattr(self, name)!r}; choose one of "
                                      f"{list(allowed)}")
@@ -98,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stacked: tails read [S + 7, R, H]; table: through an address table with "
                         "the 7 peers in their own allocations and a re-arm per tail (what "
                         "--tp-reduce peer costs a rank)")
+    p.add_argument("--pdl", default=d.pdl,
+                   help="programmatic dependent launch of the kernels (kernels/launch.py): off, "
+                        "on, or ab (each configuration both ways, the runs alternating; rows "
+                        "'+pdl' and their ratio)")
 
 
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
@@ -106,12 +113,12 @@ def spec_from_args(a: argparse.Namespace) -> SweepSpec:
                          baseline="eager" if a.baseline == "all" else a.baseline,
                          baseline_rounds=3, routing=a.routing, mapping=a.mapping,
                          profile="key" if a.profile != "none" else "none", eager=False,
-                         loop=a.loop, seed=a.seed, reduce=a.reduce)
+                         loop=a.loop, seed=a.seed, reduce=a.reduce, pdl=a.pdl)
     return SweepSpec(widths=tuple(a.widths), adaptive=not a.no_adaptive,
                      contexts=tuple(a.contexts), rounds=a.rounds, reps=a.reps,
                      baseline=a.baseline, baseline_rounds=a.baseline_rounds, routing=a.routing,
                      mapping=a.mapping, profile=a.profile, eager=not a.no_eager, loop=a.loop,
-                     seed=a.seed, reduce=a.reduce)
+                     seed=a.seed, reduce=a.reduce, pdl=a.pdl)
 
 
 def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank") -> int:

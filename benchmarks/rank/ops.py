@@ -158,12 +158,13 @@ class RankKernelOps(RankOpsMixin, KernelOps):
 
     def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor,
                        xq=None) -> None:
-        k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out, quantized=xq)
+        k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out, quantized=xq,
+                                     pdl=self.pdl)
 
     def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
                   xq=None) -> None:
         k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t, out=out,
-                      out_dtype=torch.float32, quantized=xq)
+                      out_dtype=torch.float32, quantized=xq, pdl=self.pdl)
 
 
 class RankTwinOps(RankOpsMixin, TwinOps):
@@ -182,10 +183,16 @@ class RankTwinOps(RankOpsMixin, TwinOps):
 
 
 def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: int,
-                  table: torch.Tensor | None, peers: int = PEERS, reduce: str = "stacked"):
+                  table: torch.Tensor | None, peers: int = PEERS, reduce: str = "stacked",
+                  pdl: bool = False):
     kinds = {"kernels": RankKernelOps, "twins": RankTwinOps}
     if backend not in kinds:
         raise ValueError(f"ops: unknown backend {backend!r}; choose one of {sorted(kinds)}")
-    ops = kinds[backend](torch.device(device), max_polls)
+    if backend == "kernels":
+        ops = RankKernelOps(torch.device(device), max_polls, pdl=pdl)
+    elif pdl:
+        raise ValueError("ops: pdl (programmatic dependent launch) needs the 'kernels' backend")
+    else:
+        ops = RankTwinOps(torch.device(device), max_polls)
     ops.attach(weights, rows, table, peers, reduce)
     return ops

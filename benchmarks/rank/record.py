@@ -118,12 +118,38 @@ def markdown(rec: dict) -> str:
     if e and "round_s" in e:
         lines += ["", f"Eager launches (no CUDA graph) at the first context, width "
                       f"{spec['headline_width']}: {_ms(e['round_s'])} ms/round."]
-    lines += _breakdown_md(rec) + _routing_md(rec) + _baseline_md(rec)
+    lines += _pdl_md(rec) + _breakdown_md(rec) + _routing_md(rec) + _baseline_md(rec)
     lines += ["", "Round time: median interval between consecutive rounds of a request "
               "(CUDA events, graph replay, host loop); loop ms/round: Engine._loop over the "
               "request (log reads and final settlement included) ÷ rounds. Floor: "
               "benchmarks/rank/floor.py terms in record.json.", ""]
     return "\n".join(lines)
+
+
+def pdl_pairs(rec: dict) -> list[dict]:
+    """Rows "<policy>+pdl" against "<policy>" at the same context (--pdl ab)."""
+    out = []
+    for r in rec["configs"]:
+        if not r["policy"].endswith("+pdl") or "error" in r:
+            continue
+        base = _find(rec["configs"], r["context_name"], r["policy"][:-len("+pdl")])
+        if base:
+            out.append({"context_name": r["context_name"], "policy": base["policy"],
+                        "off_s": base["round_s"], "on_s": r["round_s"],
+                        "ratio": r["round_s"] / base["round_s"]})
+    return out
+
+
+def _pdl_md(rec: dict) -> list[str]:
+    pairs = pdl_pairs(rec)
+    if not pairs:
+        return []
+    lines = ["", "## Programmatic dependent launch (A/B in this run)", "",
+             "| context | policy | round ms, PDL off | round ms, PDL on | on ÷ off |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {p['context_name']} | {p['policy']} | {_ms(p['off_s'])} | {_ms(p['on_s'])} | "
+              f"{p['ratio']:.3f} |" for p in pairs]
+    return lines
 
 
 def _breakdown_md(rec: dict) -> list[str]:
@@ -189,8 +215,8 @@ def plots(rec: dict) -> dict[str, str]:
             "Round time vs context", [c / 1024 for c in ctxs], series, "context (K tokens)",
             "ms per round", dashed=frozenset({f"floor {head}"}))
     first = ctxs[0] if ctxs else None
-    wrows = sorted((r for r in rows if r["context"] == first and r["policy"].startswith("W")),
-                   key=lambda r: int(r["policy"][1:]))
+    wrows = sorted((r for r in rows if r["context"] == first and r["policy"][1:].isdigit()),
+                   key=lambda r: int(r["policy"][1:]))  # W<n> only, not the "+pdl" variants
     if wrows:
         out["round_vs_width.svg"] = line_chart(
             f"Round time vs width at context {wrows[0]['context_name']}",

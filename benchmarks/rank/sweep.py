@@ -146,11 +146,23 @@ class Rig:
         return torch.device(self.device).type == "cuda"
 
 
+# SweepSpec.pdl → (row-name suffix, RuntimeConfig.pdl) per variant
+PDL_VARIANTS = {"off": (("", False),), "on": (("", True),), "ab": (("", False), ("+pdl", True))}
+
+
+def run_order(names: list[str], group: int, index: int) -> list[str]:
+    """Names in groups of `group` adjacent variants (A, B); odd `index` runs each group in
+    reverse (B, A), so neither variant always runs first."""
+    if index % 2 == 0 or group == 1:
+        return names
+    return [n for i in range(0, len(names), group) for n in reversed(names[i:i + group])]
+
+
 def make_engine(rig: Rig, weights, table, policy, graphs: bool, spec: SweepSpec,
-                cap: int) -> RankEngine:
+                cap: int, pdl: bool = False) -> RankEngine:
     rc = RuntimeConfig(ops=rig.ops, device=rig.device, max_width=KERNEL_WIDTH, ring_pad=64,
                        max_positions=cap, policy=policy, graphs=graphs, sync_rounds=16,
-                       loop=spec.loop if graphs else "host", prefetch=False)
+                       loop=spec.loop if graphs else "host", prefetch=False, pdl=pdl)
     return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce)
 
 
@@ -212,17 +224,19 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
         torch.cuda.synchronize()
         say(f"weights: {weight_bytes(weights) / 1e9:.2f} GB on the device, "
             f"peak allocated {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
-    policies = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
+    depths = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
     if spec.adaptive:
-        policies.append(("adaptive", default_adaptive()))
-    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap)
-               for name, pol in policies}
+        depths.append(("adaptive", default_adaptive()))
+    policies = [(name + suffix, pol, pdl) for name, pol in depths
+                for suffix, pdl in PDL_VARIANTS[spec.pdl]]  # "ab": the two variants adjacent
+    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl)
+               for name, pol, pdl in policies}
     results = []
     total, done = len(contexts) * len(policies), 0
     names = {v: k for k, v in CONTEXTS.items()}
     head = f"W{spec.headline_width}"
     for ci, ctx in enumerate(contexts):
-        for name, _ in policies:
+        for name in run_order([n for n, _, _ in policies], len(PDL_VARIANTS[spec.pdl]), ci):
             done += 1
             key = rig.cuda and (spec.profile == "all"
                                 or (spec.profile == "key" and (ci == 0 or name == head)))
@@ -245,7 +259,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
         say(f"eager launches (no graph) at {names[contexts[0]]} {head}")
         try:
             eng = make_engine(rig, weights, table, FixedDepth(spec.headline_width - 1), False,
-                              spec, cap)
+                              spec, cap, pdl=spec.pdl == "on")
             eager = run_config(eng, dataclasses.replace(spec, rounds=min(spec.rounds, 12)),
                                contexts[0], False, bw)
             say(f"eager: {eager['round_s'] * 1e3:.2f} ms/round")

@@ -7,6 +7,7 @@ Keys (each at most once):
   prefetch     on/off: expert prefetch where the checkpoint ships predictors
   sync_rounds  int in [1, 64]: rounds between two host reads of the result log
   max_width    int in [1, 8]: verification rows (the prefill's chunk width too)
+  pdl          on/off: programmatic dependent launch of the kernels (GPU, ops kernels)
 A key left out keeps the base value. Every problem raises ArmSpecError naming the flag, the
 spec and the key.
 """
@@ -22,7 +23,7 @@ from iquestrt.config import RuntimeConfig, RuntimeConfigError
 from reference.config import ModelConfig
 from reference.depth import policy_from_spec, policy_to_json
 
-KEYS = ("depth", "graphs", "prefetch", "sync_rounds", "max_width")
+KEYS = ("depth", "graphs", "prefetch", "sync_rounds", "max_width", "pdl")
 _TRUE, _FALSE = ("1", "on", "true", "yes"), ("0", "off", "false", "no")
 
 
@@ -67,7 +68,7 @@ class ArmSpec:
                     fields["policy"] = policy_from_spec(value, checkpoint)
                 except ValueError as e:
                     raise ArmSpecError(f"{where}: depth: {e}") from None
-            elif key in ("graphs", "prefetch"):
+            elif key in ("graphs", "prefetch", "pdl"):
                 fields[key] = _bool(value, where, key)
             else:
                 fields[key] = _int(value, where, key)
@@ -99,5 +100,5 @@ def describe(rcfg: RuntimeConfig) -> dict:
     """The settings an arm can vary, as JSON values (for records)."""
     return {"policy": policy_to_json(rcfg.policy), "graphs": rcfg.graphs,
             "prefetch": rcfg.prefetch, "sync_rounds": rcfg.sync_rounds,
-            "max_width": rcfg.max_width, "ops": rcfg.ops, "device": rcfg.device,
+            "max_width": rcfg.max_width, "pdl": rcfg.pdl, "ops": rcfg.ops, "device": rcfg.device,
             "ring_pad": rcfg.ring_pad, "max_positions": rcfg.max_positions}

@@ -28,7 +28,7 @@ def add_experiment_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--control", required=True, help="control arm, key=value pairs, e.g. depth=3")
     p.add_argument("--candidate", required=True,
                    help="candidate arm, e.g. 'depth=adaptive' or 'depth=3,graphs=on'; keys: "
-                        "depth, graphs, prefetch, sync_rounds, max_width")
+                        "depth, graphs, prefetch, sync_rounds, max_width, pdl")
     p.add_argument("--aa", action="store_true",
                    help="add an A/A′ arm: a second control engine built like the candidate's")
     p.add_argument("--out", type=Path, required=True,

@@ -68,7 +68,8 @@ def _runtime(r: dict) -> str:
         f"adaptive depth {p['min_depth']}-{p['max_depth']}"
     on = {True: "on", False: "off"}
     return (f"{depth}, graphs {on[r['graphs']]}, prefetch {on[r['prefetch']]}, sync_rounds "
-            f"{r['sync_rounds']}, max_width {r['max_width']}, {r['ops']} on {r['device']}, "
+            f"{r['sync_rounds']}, max_width {r['max_width']}, "
+            f"{'pdl on, ' if r.get('pdl') else ''}{r['ops']} on {r['device']}, "
             f"ring_pad {r['ring_pad']}, max_positions {r['max_positions']}")
 
 

@@ -56,6 +56,9 @@ class TPEngine(Engine):
         if rcfg.graphs:
             raise ValueError("TPEngine: RuntimeConfig.graphs is not supported with tensor "
                              "parallelism yet (collectives inside a captured round are untried)")
+        if rcfg.pdl:
+            raise ValueError("TPEngine: RuntimeConfig.pdl is not supported with tensor "
+                             "parallelism yet (the sharded sampler launches without it)")
         if group.world < 2:
             raise ValueError(f"TPEngine: a group of {group.world} rank; use Engine")
         full = weights.cfg

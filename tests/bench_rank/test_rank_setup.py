@@ -59,6 +59,7 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--baseline", "fast"], "--baseline: 'fast'; choose one of"),
     (["--rounds", "2"], "--rounds: 2 outside 4..4096"),
     (["--reduce", "ring"], "--reduce: 'ring'; choose one of ['stacked', 'table']"),
+    (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['off', 'on', 'ab']"),
 ])
 def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, message):
     assert bench_main.main(["--out", str(tmp_path / "o"), *argv]) == 2
@@ -147,3 +148,30 @@ def test_a_failed_configuration_fails_the_run(tmp_path, capsys, monkeypatch):
     code = bench_main.main(["--out", str(tmp_path / "r"), "--quick"])
     assert code == bench_main.EXIT_FAILED
     assert "2 part(s) failed" in capsys.readouterr().err
+
+
+def test_pdl_ab_alternates_and_pairs_rows():
+    from benchmarks.rank.record import _pdl_md, pdl_pairs
+    from benchmarks.rank.sweep import run_order
+
+    names = ["W4", "W4+pdl", "W6", "W6+pdl"]
+    assert run_order(names, 2, 0) == names
+    assert run_order(names, 2, 1) == ["W4+pdl", "W4", "W6+pdl", "W6"]
+    assert run_order(["W4", "W6"], 1, 1) == ["W4", "W6"]
+    rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010},
+            {"context_name": "1K", "policy": "W6+pdl", "round_s": 0.009},
+            {"context_name": "4K", "policy": "W6+pdl", "error": "x"}]
+    pairs = pdl_pairs({"configs": rows})
+    assert [(p["policy"], round(p["ratio"], 6)) for p in pairs] == [("W6", 0.9)]
+    assert pdl_pairs({"configs": rows[:1]}) == []
+    assert "| 1K | W6 | 10.000 | 9.000 | 0.900 |" in "\n".join(_pdl_md({"configs": rows}))
+
+
+def test_sweep_with_pdl_ab_on_the_twins_is_refused_per_configuration(tmp_path):
+    """PDL needs compiled kernels on a GPU: on the twins every '+pdl' engine is refused when it
+    is built, before any timing — the sweep does not quietly run without it."""
+    spec = SweepSpec(widths=(4,), adaptive=False, contexts=("1K",), rounds=4, baseline="none",
+                     profile="none", eager=False, pdl="ab")
+    with pytest.raises(ValueError, match="pdl"):
+        run_sweep(spec, tmp_path / "r", "test", Rig(small_rank_config(), "cpu", "twins", 4.24e12))
+    assert not (tmp_path / "r").exists()

@@ -32,7 +32,8 @@ def test_specs_apply_to_the_base():
 
 @pytest.mark.parametrize(("text", "match"), [
     ("", "empty spec"),
-    ("depht=3", "unknown key 'depht'; allowed: depth, graphs, prefetch, sync_rounds, max_width"),
+    ("depht=3",
+     "unknown key 'depht'; allowed: depth, graphs, prefetch, sync_rounds, max_width, pdl"),
     ("depth", "'depth' is not key=value"),
     ("depth=3,depth=4", "key 'depth' given twice"),
     ("depth=9", "depth: draft depth policy '9'"),
@@ -42,6 +43,8 @@ def test_specs_apply_to_the_base():
     ("max_width=9", r"RuntimeConfig.max_width: must be an int in \[1, 8\]"),
     ("depth=7,max_width=4", "draft depth 7 needs 8 verification rows; max_width is 4"),
     ("graphs=on", "RuntimeConfig.graphs: CUDA graphs need a CUDA device"),
+    ("pdl=on", "RuntimeConfig.pdl: programmatic dependent launch needs ops='kernels' on a CUDA"),
+    ("pdl=2", "pdl='2'; expected on/off"),
 ])
 def test_bad_specs_are_named(text, match):
     with pytest.raises(ArmSpecError, match=match) as e:

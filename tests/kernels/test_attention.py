@@ -443,7 +443,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         stats[name] = build(A._split_kernel, split_args, {
             "G": 6, "D": 128, "BLOCK_M": bm, "BLOCK_N": cfg.block_n, "NUM_SPLITS": cfg.num_splits,
             "MIN_TILES": cfg.min_tiles_per_split, "RING": ring, "SLIDING": ring,
-            "INTERPRET": False}, aligned, cfg.num_warps, cfg.num_stages)
+            "INTERPRET": False, "PDL": False}, aligned, cfg.num_warps, cfg.num_stages)
     comb_args = [("po_ptr", "*fp32"), ("pl_ptr", "*fp32"), ("q_ptr", "*bf16"),
                  ("sink_ptr", "*bf16"), ("out_ptr", "*bf16"), ("n_live_ptr", "*i32"),
                  ("oq_ptr", "*fp8e4nv"), ("os_ptr", "*fp32"), ("HQ", i32), ("scale", "fp32")]
@@ -455,7 +455,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         stats[name] = build(AC._combine_kernel, comb_args, {
             "G": 6, "D": 128, "S": s, "BLOCK_S": triton.next_power_of_2(s), "HB": hb,
             "UNROLL": 4, "HAS_SINK": sink, "INTERPRET": False, "QUANT": quant,
-            "QGROUPS": max(1, hb * 128 // 128)})
+            "QGROUPS": max(1, hb * 128 // 128), "PDL": False})
     w_args = [("k_ptr", "*bf16"), ("v_ptr", "*bf16"), ("pos_ptr", "*i32"), ("n_live_ptr", "*i32"),
               ("ck_ptr", "*bf16"), ("cv_ptr", "*bf16"), ("label_ptr", "*i32")]
     w_args += [(n, i32) for n in ("C", "HKV", "D", "s_kr", "s_kh", "s_vr", "s_vh", "s_cc", "s_ch",
@@ -463,9 +463,9 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     r_args = [("label_ptr", "*i32"), ("keep_ptr", "*i32"), ("written_ptr", "*i32"), ("C", i32)]
     for ring in (True, False):
         stats[f"write_ring{ring}"] = build(KV._write_kv_kernel, w_args, {
-            "RING": ring, "BLOCK_H": 1, "BLOCK_D": 128}, warps=1)
+            "RING": ring, "BLOCK_H": 1, "BLOCK_D": 128, "PDL": False}, warps=1)
         stats[f"rollback_ring{ring}"] = build(KV._rollback_kernel, r_args, {
-            "RING": ring, "BLOCK": 8, "EMPTY_LABEL": -1}, warps=1)
+            "RING": ring, "BLOCK": 8, "EMPTY_LABEL": -1, "PDL": False}, warps=1)
     return stats
 
 

@@ -325,7 +325,8 @@ SM90_ENTRY = dict(
     sig=dict(tok_ptr="*i64", tok_base_ptr="*i32", hid_ptr="*bf16", hid_base_ptr="*i64",
              pos_base_ptr="*i32", n_live_ptr="*i32", embed_ptr="*bf16", enorm_ptr="*bf16",
              hnorm_ptr="*bf16", eh_ptr="*bf16", pos_ptr="*i32", eps="fp32"),
-    const=dict(HIDDEN=3072, BLOCK_H=4096, TOK_PTR=True, HID_PTR=True, POS_PTR=True),
+    const=dict(HIDDEN=3072, BLOCK_H=4096, TOK_PTR=True, HID_PTR=True, POS_PTR=True,
+               PDL=False),
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt",
               r"ld\.global"))
 

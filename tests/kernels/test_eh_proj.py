@@ -137,7 +137,8 @@ SM90_EH_PROJ = dict(
              pos_base_ptr="*i32", n_live_ptr="*i32", embed_ptr="*bf16", enorm_ptr="*bf16",
              hnorm_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", pos_ptr="*i32", eps="fp32"),
     const=dict(HIDDEN=3072, BLOCK_H=4096, KB=16, BLOCK_N=64, BLOCK_K=128, BLOCK_R=16,
-               OUT_BF16=False, INTERPRET=False, TOK_PTR=True, HID_PTR=True, POS_PTR=True),
+               OUT_BF16=False, INTERPRET=False, TOK_PTR=True, HID_PTR=True, POS_PTR=True,
+               PDL=False),
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt",
               r"mma\.sync|wgmma"))
 

@@ -200,10 +200,10 @@ cfg = fp8.act_quant_launch(3072)
 print(json.dumps({
     "act_quant": build(fp8._act_quant_kernel,
                        dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32", n_live_ptr="*i32"),
-                       dict(ROWS_PER_LIVE=1, GROUPS=cfg.groups)),
+                       dict(ROWS_PER_LIVE=1, GROUPS=cfg.groups, PDL=False)),
     "dequant": build(fp8._dequant_block_kernel,
                      dict(w_ptr="*fp8e4nv", s_ptr="*fp32", out_ptr="*fp32"),
-                     dict(BLOCK_N=64, BLOCK_K=128)),
+                     dict(BLOCK_N=64, BLOCK_K=128, PDL=False)),
 }))
 """
 

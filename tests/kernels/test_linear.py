@@ -534,17 +534,17 @@ for name, (n, k, out) in {"qkv_partials": (1024, 3072, "*fp32"),
     s, kb = linear.split_plan(-(-k // 128), cfg.split_k)
     res[name] = build(linear._linear_fp8_kernel, dict(fp8, out_ptr=out),
                       dict(u, K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=16,
-                           OUT_BF16=out == "*bf16"),
+                           OUT_BF16=out == "*bf16", PDL=False),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 cfg = linear.linear_bf16_launch(20000, 3072)
 res["lm_head"] = build(linear._linear_bf16_kernel,
                        dict(x_ptr="*bf16", w_ptr="*bf16", n_live_ptr="*i32", out_ptr="*fp32"),
                        dict(u, stride_xk=1, K=3072, KB=24, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                            BLOCK_R=16, OUT_BF16=False, INTERPRET=False),
+                            BLOCK_R=16, OUT_BF16=False, INTERPRET=False, PDL=False),
                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 res["reduce"] = build(linear._reduce_splits_kernel,
                       dict(p_ptr="*fp32", n_live_ptr="*i32", out_ptr="*bf16"),
-                      dict(stride_on=1, S=8, BLOCK=1024, OUT_BF16=True), num_warps=4)
+                      dict(stride_on=1, S=8, BLOCK=1024, OUT_BF16=True, PDL=False), num_warps=4)
 print(json.dumps(res))
 """
 

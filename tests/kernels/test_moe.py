@@ -434,7 +434,7 @@ def build(fn, sig, const, opts, div16):
     ptx = k.asm["ptx"]
     return {t: len(re.findall(t, ptx)) for t in ("cp.async", "wgmma", "mma.sync", "ex2")}
 
-tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16)
+tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
 cfg = moe.moe_launch(3072, 192)
 f8, f32, i32 = "*fp8e4nv", "*fp32", "*i32"
 out = {
@@ -453,7 +453,8 @@ out = {
          "stride_pn", "stride_yr"]),
     "combine": build(moe._moe_combine_kernel,
         dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
-        dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True), dict(num_warps=4), []),
+        dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
+        []),
 }
 print(json.dumps(out))
 """

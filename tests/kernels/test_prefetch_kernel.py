@@ -220,17 +220,18 @@ no_fma = dict(num_warps=cfg.num_warps, enable_fp_fusion=False)
 print(json.dumps({
     "scores": build(k._prefetch_scores_kernel,
         dict(x_ptr="*bf16", p_ptr="*bf16", n_live_ptr="*i32", part_ptr="*fp32"),
-        dict(CHUNK=128, BLOCK_R=8, BLOCK_E=cfg.block_e), no_fma),
+        dict(CHUNK=128, BLOCK_R=8, BLOCK_E=cfg.block_e, PDL=False), no_fma),
     "scores_fused": build(k._prefetch_scores_kernel,  # the broken variant: contraction on
         dict(x_ptr="*bf16", p_ptr="*bf16", n_live_ptr="*i32", part_ptr="*fp32"),
-        dict(CHUNK=128, BLOCK_R=8, BLOCK_E=cfg.block_e), dict(num_warps=cfg.num_warps)),
+        dict(CHUNK=128, BLOCK_R=8, BLOCK_E=cfg.block_e, PDL=False),
+        dict(num_warps=cfg.num_warps)),
     "select": build(k._prefetch_select_kernel,
         dict(part_ptr="*fp32", n_live_ptr="*i32", ids_ptr="*i32"),
-        dict(R=8, J=24, M=16, BLOCK_EALL=256), no_fma),
+        dict(R=8, J=24, M=16, BLOCK_EALL=256, PDL=False), no_fma),
     "warm": build(k._prefetch_warm_kernel,
         dict(ids_ptr="*i32", n_live_ptr="*i32", fc_ptr="*u8", fcs_ptr="*u8", sink_ptr="*i32"),
         dict(H=3072, SB=288, BLOCK_N=cfg.warm_block_n, BLOCK_K=cfg.warm_block_k,
-             BLOCK_S=cfg.scale_block), dict(num_warps=cfg.num_warps)),
+             BLOCK_S=cfg.scale_block, PDL=False), dict(num_warps=cfg.num_warps)),
 }))
 """
 

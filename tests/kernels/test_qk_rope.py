@@ -321,7 +321,8 @@ SM90_QK_ROPE = dict(
     module="qk_rope", kernel="_qk_rope_kernel",
     sig=dict(qkv_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", pos_ptr="*i32", tab_ptr="*fp32",
              n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", eps="fp32"),
-    const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128),
+    const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128,
+               PDL=False),
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
               r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64"),
     warps=1)

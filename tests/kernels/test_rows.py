@@ -124,7 +124,7 @@ SM90_NORM_ROWS = dict(
     sig=dict(a_ptr="*fp32", b_ptr="*bf16", wb_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32",
              y_ptr="*bf16", n_live_ptr="*i32", eps="fp32"),
     const=dict(HIDDEN=3072, BLOCK_H=4096, HAS_B=True, SUM_BF16=False, STORE_S=True, HAS_W=True,
-               Y_BF16=True, B_BF16=True),
+               Y_BF16=True, B_BF16=True, PDL=False),
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt"))
 
 

@@ -483,15 +483,18 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         (n, i32) for n in ("D", "WP", "WQ", "s_pi", "s_pp", "s_qi", "s_qp", "b_pi", "b_pp",
                            "b_qi", "b_qp")]
     fin = {"K": 20, "KP": 32, "GP": 32, "CP": 1024, "FINAL": True, "GREEDY": False,
-           "SEED_FROM_PTR": False, "LIBDEVICE": True, "VALS_FROM_PTR": False}
-    vc = {"DP": 8, "KP": 32, "KQ": 32, "SEED_FROM_PTR": False, "FIRST_FROM_PTR": False}
+           "SEED_FROM_PTR": False, "LIBDEVICE": True, "VALS_FROM_PTR": False, "PDL": False}
+    vc = {"DP": 8, "KP": 32, "KQ": 32, "SEED_FROM_PTR": False, "FIRST_FROM_PTR": False,
+          "PDL": False}
     return {
         "scan": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192, "GREEDY": False,
-                                             "VALS_FROM_PTR": False}, 8),
+                                             "VALS_FROM_PTR": False, "PDL": False}, 8),
         "scan_vals_ptr": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192,
-                                                      "GREEDY": False, "VALS_FROM_PTR": True}, 8),
+                                                      "GREEDY": False, "VALS_FROM_PTR": True,
+                                                      "PDL": False}, 8),
         "scan_greedy": build(S._scan_kernel, scan, {"K": 1, "KP": 2, "TILE": 8192,
-                                                    "GREEDY": True, "VALS_FROM_PTR": False}, 8),
+                                                    "GREEDY": True, "VALS_FROM_PTR": False,
+                                                    "PDL": False}, 8),
         "merge_final": build(S._merge_kernel, merge, fin),
         "merge_final_no_libdevice": build(S._merge_kernel, merge, fin | {"LIBDEVICE": False}),
         "merge_final_seed_ptr_ones": build(S._merge_kernel, merge, fin | {

@@ -644,7 +644,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
-                "REARM_PARTS": 1},
+                "REARM_PARTS": 1, "PDL": False},
             cfg.num_warps)
     for quant in (False, True):  # the quantizing MoE tail reads its partials through a table
         table = {"part_ptr": "*i64"} if quant else {}
@@ -652,7 +652,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
             T._moe_tail_kernel, common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"} | table, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": False, "WRITE_X": True, "QUANT": quant, "GROUPS": 32,
-                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant},
+                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant, "PDL": False},
             cfg.num_warps)
     return stats
 

@@ -1,0 +1,155 @@
+"""Programmatic dependent launch, checked without a GPU: every kernel the package launches takes
+the PDL constexpr and enters through `pdl_enter` before anything else, every launch passes
+`launch_opts`, the refusals, and an sm_90 build whose `griddepcontrol.wait` precedes every
+global memory access. (That PDL changes no bit is tests/test_engine_pdl.py, on the GPU.)"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.launch import check_pdl, launch_opts
+from tests.kernels.sm90 import compile_sm90
+
+KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+
+
+def _launches(kernels: Path) -> dict[str, list[tuple[str, ast.Call]]]:
+    """<module> → [(kernel name, the launch call)] for every `name_kernel[grid](...)`."""
+    out = {}
+    for path in sorted(kernels.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id.endswith("_kernel")):
+                out.setdefault(path.stem, []).append((node.func.value.id, node))
+    return out
+
+
+def _functions(kernels: Path) -> dict[str, ast.FunctionDef]:
+    """Every module-level function of the package by name (a kernel may be launched from a
+    module it is imported into)."""
+    out = {}
+    for path in sorted(kernels.glob("*.py")):
+        out.update({f.name: f for f in ast.parse(path.read_text()).body
+                    if isinstance(f, ast.FunctionDef)})
+    return out
+
+
+def _enters_through_pdl(f: ast.FunctionDef) -> bool:
+    body = f.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    first = body[0]
+    return (isinstance(first, ast.Expr) and isinstance(first.value, ast.Call)
+            and getattr(first.value.func, "id", None) == "pdl_enter"
+            and [getattr(a, "id", None) for a in first.value.args] == ["PDL"])
+
+
+def pdl_violations(kernels: Path) -> list[str]:
+    launches, fns = _launches(kernels), _functions(kernels)
+    bad = []
+    for module, calls in launches.items():
+        for name, call in calls:
+            f = fns[name]
+            has_param = "PDL" in [a.arg for a in f.args.args]
+            opts = any(k.arg is None and isinstance(k.value, ast.Call)
+                       and getattr(k.value.func, "id", None) == "launch_opts"
+                       for k in call.keywords)
+            if not (has_param and _enters_through_pdl(f) and opts):
+                bad.append(f"{module}.{name}: PDL param {has_param}, pdl_enter first "
+                           f"{_enters_through_pdl(f)}, launch_opts at the launch {opts}")
+    return bad
+
+
+def test_every_launched_kernel_enters_through_pdl():
+    assert sum(len(v) for v in _launches(KERNELS).values()) >= 25
+    bad = pdl_violations(KERNELS)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_can_fail(tmp_path):
+    """A kernel that loads before pdl_enter, and a launch without launch_opts, are reported."""
+    src = (KERNELS / "rows.py").read_text()
+    early = src.replace("    pdl_enter(PDL)\n", "    tl.load(n_live_ptr)\n    pdl_enter(PDL)\n", 1)
+    assert early != src
+    (tmp_path / "rows.py").write_text(early)
+    assert any(b.startswith("rows.") and "pdl_enter first False" in b
+               for b in pdl_violations(tmp_path))
+    bare = src.replace("**launch_opts(", "**dict(", 1)
+    assert bare != src
+    (tmp_path / "rows.py").write_text(bare)
+    assert any("launch_opts at the launch False" in b for b in pdl_violations(tmp_path))
+
+
+def test_launch_opts_and_refusals():
+    assert launch_opts(False) == {"PDL": False}
+    assert launch_opts(True, enable_fp_fusion=False) == {"PDL": True, "launch_pdl": True,
+                                                          "enable_fp_fusion": False}
+    check_pdl(False, "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        check_pdl(True, "cpu")
+
+
+def test_runtime_config_and_ops_refuse_pdl_off_the_gpu_kernels():
+    from iquestrt.config import RuntimeConfig, RuntimeConfigError
+    from iquestrt.ops import make_ops
+
+    with pytest.raises(RuntimeConfigError, match="RuntimeConfig.pdl: .*ops='kernels' on a CUDA"):
+        RuntimeConfig(ops="kernels", device="cpu", pdl=True)
+    with pytest.raises(RuntimeConfigError, match="RuntimeConfig.pdl"):
+        RuntimeConfig(ops="twins", device="cuda", pdl=True)
+    with pytest.raises(RuntimeConfigError, match="must be a bool"):
+        RuntimeConfig(pdl=1)
+    with pytest.raises(ValueError, match="pdl .* needs the 'kernels' backend"):
+        make_ops("twins", "cpu", 8, pdl=True)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_ops("kernels", "cpu", 8, pdl=True)
+
+
+_SM90 = r"""
+import json, re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import rows
+
+res = {}
+for pdl in (False, True):
+    fn = rows._silu_mul_kernel
+    sig = {"g_ptr": "*bf16", "u_ptr": "*bf16", "out_ptr": "*bf16", "n_live_ptr": "*i32"}
+    const = {"F": 768, "BLOCK_F": 1024, "PDL": pdl}
+    full = {a: "constexpr" if a in const else sig.get(a, "i32") for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, full, constexprs=const), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, launch_pdl=pdl))
+    ptx = k.asm["ptx"]
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    wait = body.find("griddepcontrol.wait")
+    trig = body.find("griddepcontrol.launch_dependents")
+    mem = min([m.start() for m in re.finditer(r"\b(ld|st)\.global", body)] or [-1])
+    res[str(pdl)] = {"wait": wait, "trigger": trig, "first_mem": mem,
+                     "launch_pdl": bool(k.metadata.launch_pdl)}
+print(json.dumps(res))
+"""
+
+
+def test_sm90_build_waits_before_any_global_access():
+    try:
+        import triton.backends.nvidia  # noqa: F401
+    except ImportError:
+        pytest.skip("Triton without its NVIDIA backend")
+    got = compile_sm90(_SM90)
+    off, on = got["False"], got["True"]
+    assert off["wait"] == -1 and off["trigger"] == -1 and not off["launch_pdl"]
+    assert on["launch_pdl"] and on["first_mem"] > 0
+    assert 0 <= on["wait"] < on["first_mem"], on
+    assert on["trigger"] == -1  # no early trigger: it measured slower (kernels/launch.py)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+def test_check_pdl_accepts_hopper():
+    check_pdl(True, "cuda")
