@@ -27,6 +27,7 @@ from kernels.fp8 import E4M3
 from kernels.launch import check_pdl
 from kernels.peer_partials import RingRead
 from kernels.sampler import SampleOut
+from kernels.tail_router import RouteScratch
 from kernels.verify import VerifyOut
 from reference.tails import AttnTailOut, MoeTailOut
 
@@ -45,10 +46,11 @@ class KernelOps:
             )
         self.dev, self.max_polls, self.pdl = device, max_polls, pdl
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
+        self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
 
     def reset(self) -> None:
         """After a failure flag: restore the router scratch invariant (kernels/tails.py)."""
-        for s in self._scratch.values():
+        for s in [*self._scratch.values(), *self._route_scratch.values()]:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
@@ -155,4 +157,8 @@ class KernelOps:
         return k_rows.silu_mul_rows(g, u, live.t, pdl=self.pdl)
 
     def route_rows(self, x, router_w, top_k: int, live: Live):
-        return k_rows.route_rows(x, router_w, top_k, live.t, pdl=self.pdl)
+        key = tuple(router_w.shape)
+        if key not in self._route_scratch:
+            self._route_scratch[key] = RouteScratch.create(key[0], self.dev)
+        return k_rows.route_rows(x, router_w, top_k, live.t, scratch=self._route_scratch[key],
+                                 pdl=self.pdl)

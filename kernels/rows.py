@@ -1,13 +1,17 @@
 """Row kernels for the runtime parts that had no kernel (layer 0's SwiGLU tail, the draft's norms,
-FP32 residual and BF16 router): one program per live row, so a row's bits never depend on its
-batch-mates or on the buffer width, and rows ≥ n_live are neither read nor written.
+FP32 residual and BF16 router). The norms and SwiGLU run one program per live row, so a row's
+bits never depend on its batch-mates or on the buffer width, and rows ≥ n_live are neither read
+nor written; the router runs one program per block of experts over all (≤ 8) rows — a row's
+logit is still one dot product in a fixed order, whatever the other rows.
 
   norm_rows      y = rms(a [+ rms(b, wb)], w)  — optionally storing the sum s = a + rms(b, wb)
                  (rounded to s's dtype) and/or y; covers rms of one tensor, the residual add of
                  layer 0 and of the draft (BF16 or FP32 residual) and a norm of the sum.
   silu_mul_rows  act = bf16(silu(g) · u) of layer 0's dense FFN.
   route_rows     the draft's FP32 router on a BF16 input: softmax → top-k (ties: lower index) →
-                 renormalize (reference.ops.route).
+                 renormalize (reference.ops.route), by kernels/tail_router.py `_route_kernel`.
+                 (One program per row read the whole 3 MB router each: 185 µs per call at the
+                 IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round — session 6.)
 Twins: reference.ops.rms_norm / route and the torch expressions of reference/model.py, applied
 one row at a time by iquestrt/ops.py TwinOps. Rounding points as there; bf16 stores round to
 nearest even by hand (the interpreter's cast truncates), 1/sqrt and means use IEEE division.
@@ -25,6 +29,7 @@ import triton.language as tl
 
 from kernels.fp8 import check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
+from kernels.tail_router import RouteScratch, _route_kernel, route_launch
 from kernels.tails import _bf16, _rms
 
 _COMPILE = dict(enable_fp_fusion=False)
@@ -81,44 +86,6 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, n_live_ptr, stride_g, stride_u, stri
     u = tl.load(u_ptr + row * stride_u + c, mask=m, other=0.0).to(tl.float32)
     silu = tl.div_rn(g, 1.0 + tl.exp(-g))
     tl.store(out_ptr + row * stride_o + c, _bf16(silu * u).to(tl.bfloat16), mask=m)
-
-
-@triton.jit
-def _route_rows_kernel(x_ptr, rw_ptr, ids_ptr, wts_ptr, n_live_ptr, stride_x, stride_i,
-                       stride_w, HIDDEN: tl.constexpr, EXPERTS: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-                       BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
-    row = tl.program_id(0)
-    if row >= tl.load(n_live_ptr):
-        return
-    e = tl.arange(0, BLOCK_E)
-    em = e < EXPERTS
-    acc = tl.zeros([BLOCK_E], tl.float32)
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        km = k < HIDDEN
-        x = tl.load(x_ptr + row * stride_x + k, mask=km, other=0.0).to(tl.float32)
-        w = tl.load(rw_ptr + e[:, None] * HIDDEN + k[None, :], mask=em[:, None] & km[None, :],
-                    other=0.0).to(tl.float32)  # [BE, BK]
-        acc += tl.sum(w * x[None, :], axis=1)
-    lg = tl.where(em, acc, float("-inf"))
-    p = tl.exp(lg - tl.max(lg, axis=0))
-    p = tl.div_rn(p, tl.full([BLOCK_E], 1.0, tl.float32) * tl.sum(p, axis=0))
-    p = tl.where(em, p, -1.0)
-    kc = tl.arange(0, BLOCK_TOPK)
-    top_p = tl.zeros([BLOCK_TOPK], tl.float32)
-    top_i = tl.zeros([BLOCK_TOPK], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=0)
-        idx = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
-        top_p = tl.where(kc == j, best, top_p)
-        top_i = tl.where(kc == j, idx, top_i)
-        p = tl.where(e == idx, -2.0, p)
-    w = tl.div_rn(top_p, tl.full([BLOCK_TOPK], 1.0, tl.float32) * tl.sum(top_p, axis=0))
-    km = kc < TOP_K
-    tl.store(ids_ptr + row * stride_i + kc, top_i, mask=km)
-    tl.store(wts_ptr + row * stride_w + kc, w, mask=km)
 
 
 def _rows_2d(name: str, t: torch.Tensor, rows: int, cols: int, dtypes) -> None:
@@ -194,9 +161,14 @@ def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor, *,
 
 
 def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torch.Tensor, *,
-               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [R, H] bf16 | fp32, router_w [E, H] → (weights [R, K] fp32, ids [R, K] int32); rows ≥
-    n_live hold NaN / −1. pdl: programmatic dependent launch (kernels/launch.py)."""
+               scratch: RouteScratch | None = None, pdl: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R ≤ 8, H] bf16 | fp32, router_w [E, H] → (weights [R, K] fp32, ids [R, K] int32); rows ≥
+    n_live hold NaN / −1, and so does a live row whose logits are not finite (scratch.flag is
+    raised). One launch of ⌈E / block_e⌉ programs over expert blocks (kernels/tail_router.py
+    `_route_kernel`); scratch: its logits and arrival counter (made here when None — the
+    runtime keeps one per router shape, so a captured round allocates nothing).
+    pdl: programmatic dependent launch (kernels/launch.py)."""
     R, H = x.shape
     _rows_2d("x", x, R, H, (torch.bfloat16, torch.float32))
     E = router_w.shape[0]
@@ -205,13 +177,22 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torc
         raise ValueError("kernels.rows.route_rows: router_w must be contiguous")
     if not 1 <= top_k <= min(E, 64):
         raise ValueError(f"kernels.rows.route_rows: top_k in [1, min(E={E}, 64)], got {top_k}")
+    cfg = route_launch(H, E)
+    if R > cfg.route_rows:
+        raise ValueError(f"kernels.rows.route_rows: x has {R} rows, at most {cfg.route_rows}")
+    scratch = scratch or RouteScratch.create(E, x.device, cfg.route_rows)
+    check_tensor("scratch.logits", scratch.logits, shape=(cfg.route_rows, E),
+                 dtypes=(torch.float32,), device=x.device)
     n = live_count(n_live, R, x.device)
     ids = torch.full((R, top_k), -1, dtype=torch.int32, device=x.device)
     wts = torch.full((R, top_k), float("nan"), dtype=torch.float32, device=x.device)
-    be = triton.next_power_of_2(E)
-    _route_rows_kernel[(R,)](x, router_w, ids, wts, n, x.stride(0), ids.stride(0),
-                             wts.stride(0), HIDDEN=H, EXPERTS=E, BLOCK_E=be,
-                             BLOCK_K=max(16, min(128, 8192 // be)), TOP_K=top_k,
-                             BLOCK_TOPK=triton.next_power_of_2(top_k), num_warps=4,
-                             **launch_opts(pdl, **_COMPILE))
+    grid = triton.cdiv(E, cfg.block_e)
+    _route_kernel[(grid,)](
+        x, router_w, scratch.logits, scratch.counter, ids, wts, scratch.flag, n, x.stride(0),
+        ids.stride(0), wts.stride(0), grid, HIDDEN=H, EXPERTS=E,
+        BLOCK_EALL=triton.next_power_of_2(E), TOP_K=top_k,
+        BLOCK_TOPK=triton.next_power_of_2(top_k), ROUTE_ROWS=cfg.route_rows,
+        BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+        **launch_opts(pdl, **_COMPILE),
+    )
     return wts, ids

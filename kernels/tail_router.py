@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.launch import pdl_enter
 from kernels.readiness import wait_ready
 
 
@@ -24,8 +25,11 @@ from kernels.readiness import wait_ready
 def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                   stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                   HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route."""
+                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+                  REARM_RIN: tl.constexpr):
+    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
+    REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
+    (`_route_kernel`) reads a tensor it does not own and leaves it alone."""
     ea = tl.arange(0, BLOCK_EALL)
     eam = ea < EXPERTS
     lm = rl[:, None] & eam[None, :]
@@ -56,11 +60,12 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     tl.store(wts_ptr + rows[:, None] * stride_wr + kc[None, :] * stride_wk, w, mask=km)
     tl.store(flag_ptr, 1, mask=tl.sum((rl & ~valid).to(tl.int32), axis=0) > 0)
     # restore the scratch invariant: r_in NaN (rows written this launch), counter 0
-    for k0 in range(0, HIDDEN, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        nan = tl.full([rows.shape[0], BLOCK_K], float("nan"), tl.float32)
-        tl.store(rin_ptr + rows[:, None] * HIDDEN + kk[None, :], nan,
-                 mask=rl[:, None] & (kk < HIDDEN)[None, :])
+    if REARM_RIN:
+        for k0 in range(0, HIDDEN, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            nan = tl.full([rows.shape[0], BLOCK_K], float("nan"), tl.float32)
+            tl.store(rin_ptr + rows[:, None] * HIDDEN + kk[None, :], nan,
+                     mask=rl[:, None] & (kk < HIDDEN)[None, :])
     tl.store(cnt_ptr, 0)
 
 
@@ -125,7 +130,85 @@ def _router_program(
     if done == n_router - 1:
         _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                       stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K)
+                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, True)
+
+
+@triton.jit
+def _route_kernel(
+    x_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr, n_live_ptr,
+    stride_x, stride_ir, stride_wr, n_router,
+    HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):
+    """A standalone route of a ready x [R ≤ ROUTE_ROWS, H] (the draft layer's f_in): program j
+    computes experts [j·BLOCK_E, (j+1)·BLOCK_E) for every live row, so the router weight is
+    read once across the grid instead of once per row; the last program to finish (acq_rel
+    counter) routes all rows with the folded router's `_route_finish`."""
+    pdl_enter(PDL)
+    j = tl.program_id(0)
+    n = tl.load(n_live_ptr)
+    rows = tl.arange(0, ROUTE_ROWS)
+    rl = rows < n
+    e = j * BLOCK_E + tl.arange(0, BLOCK_E)
+    em = e < EXPERTS
+    acc = tl.zeros([ROUTE_ROWS, BLOCK_E], tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        km = kk < HIDDEN
+        r = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :],
+                    mask=rl[:, None] & km[None, :], other=0.0).to(tl.float32)  # [RR, BK]
+        w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                    mask=em[:, None] & km[None, :], other=0.0).to(tl.float32)  # [BE, BK]
+        acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
+    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
+             mask=rl[:, None] & em[None, :])
+    # release: every thread's logits are stored before the counter moves
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_router - 1:
+        _route_finish(logit_ptr, ids_ptr, wts_ptr, logit_ptr, cnt_ptr, flag_ptr,
+                      stride_ir, 1, stride_wr, 1, rows, rl,
+                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, False)
+
+
+@dataclass(frozen=True)
+class RouteLaunch:
+    num_warps: int = 8
+    route_rows: int = 8  # rows per program; fixed so padded and exact widths match bits
+    block_e: int = 2  # experts per program
+    block_k: int = 1024  # hidden columns per step
+
+
+def route_launch(hidden: int, experts: int) -> RouteLaunch:
+    """The folded router's tuned blocks (kernels/tails.py tail_launch; E = 256: 128 programs
+    of 2 experts, 3 steps of 1024 columns at H 3072); small E: 8 experts × 128 columns."""
+    if experts >= 64:
+        return RouteLaunch(block_e=2, block_k=min(1024, triton.next_power_of_2(hidden)))
+    return RouteLaunch(block_e=8, block_k=min(128, triton.next_power_of_2(hidden)))
+
+
+@dataclass(frozen=True)
+class RouteScratch:
+    """A standalone route's state between launches: the logits of the live rows, the arrival
+    counter (0 between launches: the last program resets it) and a flag raised when a live
+    row's logits are not finite (that row gets ids −1 and NaN weights)."""
+
+    logits: torch.Tensor  # [route_rows, E] fp32
+    counter: torch.Tensor  # [1] int32
+    flag: torch.Tensor  # [1] int32
+
+    @classmethod
+    def create(cls, experts: int, device, route_rows: int = 8) -> RouteScratch:
+        return cls(torch.full((route_rows, experts), float("nan"), dtype=torch.float32,
+                              device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device),
+                   torch.zeros(1, dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        """After a failed launch (device synchronized): counter 0, flag down."""
+        self.counter.zero_()
+        self.flag.zero_()
 
 
 @dataclass(frozen=True)

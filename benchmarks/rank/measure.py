@@ -17,7 +17,7 @@ FAMILIES = (
     ("attention", ("_split_kernel", "_combine_kernel")),
     ("linear", ("_linear", "_reduce_splits", "_eh_proj")),
     ("act_quant", ("_act_quant",)),
-    ("rows", ("_norm_rows", "_silu_mul", "_route_rows", "_draft_entry")),
+    ("rows", ("_norm_rows", "_silu_mul", "_route_kernel", "_draft_entry")),
     ("qk_rope", ("_qk_rope",)),
     ("kv_cache", ("_write_kv", "_rollback")),
     ("sampler", ("_scan_kernel", "_merge_kernel", "_exp_kernel")),

@@ -136,3 +136,74 @@ def test_norm_rows_compiles_for_sm90_without_fma():
     assert off["fma\\.rn\\.f32"] == 0 and on["fma\\.rn\\.f32"] > 0, got
     assert off["div\\.rn\\.f32"] >= 2 and off["sqrt\\.rn\\.f32"] >= 2, got
     assert off["sqrt\\.approx"] == off["rsqrt"] == 0, got
+
+
+@pytest.mark.parametrize("experts,top_k", [(20, 4), (256, 8)])
+def test_route_rows_bits_do_not_depend_on_the_width_or_the_scratch(experts, top_k, device):
+    """One program per expert block over all rows: a live row's ids and weights are the same
+    bits with 5 exact rows, 8 padded rows (garbage beyond), a reused scratch or a fresh one; the
+    arrival counter is back at 0 after each launch."""
+    from kernels.tail_router import RouteScratch
+
+    n, hidden = 5, 256
+    x, g = _inputs(experts + 7, R, hidden, n)
+    rw = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device)
+    x = x.to(device)
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    scratch = RouteScratch.create(experts, device)
+    padded = route_rows(x, rw, top_k, live, scratch=scratch)
+    exact = route_rows(x[:n].contiguous(), rw, top_k, live, scratch=scratch)
+    fresh = route_rows(x, rw, top_k, live)
+    for other in (exact, fresh):
+        assert torch.equal(other[1][:n], padded[1][:n])
+        assert torch.equal(other[0][:n].view(torch.int32), padded[0][:n].view(torch.int32))
+    assert scratch.counter.item() == 0 and scratch.flag.item() == 0
+    assert (padded[1][n:] == -1).all() and padded[0][n:].isnan().all()
+
+
+def test_route_rows_a_non_finite_row_gets_no_expert(device):
+    """A live row with a NaN input: ids −1, NaN weights and the scratch flag up; the other rows
+    route as without it (an id out of range would send the experts' kernel out of bounds)."""
+    from kernels.tail_router import RouteScratch
+
+    n, hidden, experts = 4, 128, 16
+    x, g = _inputs(11, R, hidden, n)
+    rw = (torch.randn(experts, hidden, generator=g) / hidden**0.5).to(device)
+    live = torch.tensor([n], dtype=torch.int32, device=device)
+    clean = route_rows(x.to(device), rw, 4, live)
+    x[2, 7] = float("nan")
+    scratch = RouteScratch.create(experts, device)
+    wts, ids = route_rows(x.to(device), rw, 4, live, scratch=scratch)
+    assert scratch.flag.item() == 1
+    assert (ids[2] == -1).all() and wts[2].isnan().all()
+    keep = [0, 1, 3]
+    assert torch.equal(ids[keep], clean[1][keep]) and torch.equal(wts[keep], clean[0][keep])
+
+
+def test_route_rows_refuses_more_rows_than_a_program_takes(device):
+    x = torch.zeros(9, 128, dtype=torch.bfloat16, device=device)
+    rw = torch.zeros(16, 128, device=device)
+    with pytest.raises(ValueError, match="x has 9 rows, at most 8"):
+        route_rows(x, rw, 4, torch.tensor([9], dtype=torch.int32, device=device))
+
+
+SM90_ROUTE = dict(
+    module="tail_router", kernel="_route_kernel",
+    sig={"x_ptr": "*bf16", "rw_ptr": "*fp32", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
+         "ids_ptr": "*i32", "wts_ptr": "*fp32", "flag_ptr": "*i32", "n_live_ptr": "*i32"},
+    const={"HIDDEN": 3072, "EXPERTS": 256, "BLOCK_EALL": 256, "TOP_K": 8, "BLOCK_TOPK": 8,
+           "ROUTE_ROWS": 8, "BLOCK_E": 2, "BLOCK_K": 1024, "PDL": False},
+    patterns=("atom\\.acq_rel\\.gpu", "atom\\.global\\.gpu\\.acq_rel", "fma\\.rn\\.f32",
+              "div\\.rn\\.f32", "bar\\.sync"),
+    warps=8,
+)
+
+
+def test_route_kernel_builds_for_sm90_with_one_release_counter():
+    """The IQuest rank shape (E 256, H 3072) compiles; one acq_rel arrival per program after a
+    barrier, IEEE divisions in the finish, no FMA contraction with fusion off."""
+    off, on = fusion_counts(**SM90_ROUTE)
+    got = {"False": off, "True": on}
+    assert off["atom\\.acq_rel\\.gpu"] + off["atom\\.global\\.gpu\\.acq_rel"] == 1, got
+    assert off["bar\\.sync"] >= 1 and off["div\\.rn\\.f32"] >= 2, got
+    assert off["fma\\.rn\\.f32"] == 0, got
