@@ -34,7 +34,9 @@ TIMING = ("round_end_s is host wall time from the generate() call to each round'
           "record; round 0 includes the prefill (first_round_s), round_latency_s is the "
           "difference of consecutive records. The engine reads its log after every round when "
           "a callback watches, so on a GPU each round also pays one device-to-host read; on a "
-          "CPU all of it is host work.")
+          "CPU all of it is host work. With graphs on (attribute graphs; the default with the "
+          "compiled kernels on a GPU) each round is one CUDA graph replay and round 0 also "
+          "includes capturing it.")
 ROUTING = ("Routing is recomputed by the reference target over prompt + generated tokens "
            "(rows of the generated positions); with the runtime backend in bf16-fold precision, "
            "so near-ties may differ from the runtime's own choices.")
@@ -53,6 +55,7 @@ class AcceptanceSpec:
     backend: str = "reference"
     ops: str = "auto"
     precision: str | None = None
+    graphs: str = "auto"  # runtime: "on" | "off" | "auto" (on with kernels on a GPU)
     force: bool = False
 
     def validate(self) -> None:
@@ -73,6 +76,12 @@ class AcceptanceSpec:
             raise ValueError(f"--backend: 'reference' or 'runtime', got {self.backend!r}")
         if self.backend == "runtime" and self.precision is not None:
             raise ValueError("--precision: applies to --backend reference only")
+        if self.graphs not in ("auto", "on", "off"):
+            raise ValueError(f"--graphs: 'auto', 'on' or 'off', got {self.graphs!r}")
+        if self.graphs == "on" and self.backend != "runtime":
+            raise ValueError("--graphs on: applies to --backend runtime")
+        if self.graphs == "on" and not torch.cuda.is_available():
+            raise ValueError("--graphs on: CUDA graphs need a GPU (none is visible)")
         out = Path(self.out)
         if out.exists() and not self.force:
             raise ValueError(f"--out {out}: already exists (pass --force to replace it)")
@@ -107,6 +116,7 @@ def _attrs(spec: AcceptanceSpec, cfg, decoders: Decoders, policies: dict) -> dic
         "checkpoint": str(spec.checkpoint), "model": cfg.name, "prompts": str(spec.prompts),
         "backend": spec.backend,
         "ops": spec.ops if spec.backend == "runtime" else "",
+        "graphs": decoders.graphs_used if spec.backend == "runtime" else "",
         "precision": (spec.precision or "bf16") if spec.backend == "reference" else "",
         "routing_precision": decoders.routing_precision,
         "max_new_tokens": spec.max_new_tokens, "max_prompt_tokens": spec.max_prompt_tokens,
@@ -135,7 +145,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
                                          cfg.target.vocab_size)
     longest = max(len(p.ids) for p in prompts)
     decoders = Decoders(ckpt, BackendSpec(spec.backend, spec.ops, spec.precision,
-                                          longest + spec.max_new_tokens + MAX_ROWS))
+                                          longest + spec.max_new_tokens + MAX_ROWS, spec.graphs))
     # policies innermost: a drifting host load then touches every policy alike
     jobs = [(label, pr, seed) for pr in prompts for seed in spec.seeds for label in policies]
     for pr in prompts:  # a bad request fails before any decoding
@@ -176,7 +186,7 @@ def run_from_args(a) -> int:
         checkpoint=a.checkpoint, prompts=a.prompts, out=a.out, seeds=tuple(a.seeds),
         depths=tuple(a.depth), per_kind=a.per_kind, max_prompt_tokens=a.max_prompt_tokens,
         max_new_tokens=a.max_new_tokens, backend=a.backend, ops=a.ops, precision=a.precision,
-        force=a.force)
+        graphs=a.graphs, force=a.force)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -25,6 +25,9 @@ def add_acceptance_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode implementation (default reference)")
     p.add_argument("--ops", choices=("auto", "kernels", "twins"), default="auto",
                    help="runtime ops (auto = kernels on a GPU, twins on a CPU)")
+    p.add_argument("--graphs", choices=("auto", "on", "off"), default="auto",
+                   help="runtime: replay one CUDA graph per round (auto = on with the compiled "
+                        "kernels on a GPU, whose timing is otherwise launch-bound; off on a CPU)")
     p.add_argument("--precision", choices=("fp32", "bf16", "matched"), default=None,
                    help="reference precision (default bf16)")
     p.add_argument("--force", action="store_true", help="replace an existing --out directory")

@@ -81,6 +81,7 @@ class BackendSpec:
     ops: str = "auto"  # runtime: "kernels" | "twins" | "auto"
     precision: str | None = None  # reference: fp32 | bf16 | matched (default bf16)
     max_positions: int = 0  # runtime cache: longest prompt + max_new_tokens + round width
+    graphs: str = "auto"  # runtime: "on" | "off" | "auto" (on with kernels on a GPU)
 
 
 class Decoders:
@@ -91,6 +92,7 @@ class Decoders:
         self.ckpt, self.spec = ckpt, spec
         self._models: dict[str, RoutingModel] = {}
         self._weights = None
+        self.graphs_used = "off"  # what the runtime backend ran with: "on" | "off"
 
     def model(self, precision: str) -> RoutingModel:
         if precision not in self._models:
@@ -120,8 +122,10 @@ class Decoders:
         from iquestrt.engine import Engine
         from iquestrt.weights import from_checkpoint
 
+        graphs = s.graphs == "on" or (s.graphs == "auto" and gpu and ops_kind == "kernels")
+        self.graphs_used = "on" if graphs else "off"
         rcfg = RuntimeConfig(ops=ops_kind, device="cuda" if gpu else "cpu",
-                             max_positions=s.max_positions, policy=policy)
+                             max_positions=s.max_positions, policy=policy, graphs=graphs)
         if self._weights is None:
             self._weights = from_checkpoint(self.ckpt, rcfg.device, s.max_positions)
         return Engine(self._weights, rcfg).generate

@@ -91,6 +91,13 @@ def _f(x: float, digits: int = 2) -> str:
     return "–" if not np.isfinite(x) else f"{x:.{digits}f}"
 
 
+def _runtime_desc(a) -> str:
+    """' (ops kernels, graphs on)' for the runtime backend; '' for the reference or an older
+    dataset without these attributes."""
+    parts = [f"{k} {a[k]}" for k in ("ops", "graphs") if a.get(k)]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def blocks(ds: xr.Dataset) -> list[tuple]:
     """The summary as blocks: ("h", text) | ("p", text) | ("table", header, rows) |
     ("fig", name, svg)."""
@@ -103,7 +110,8 @@ def blocks(ds: xr.Dataset) -> list[tuple]:
     out: list[tuple] = [
         ("h", "Acceptance report"),
         ("p", f"Checkpoint `{a.get('checkpoint')}` ({a.get('model')}), backend "
-              f"{a.get('backend')}, prompts `{a.get('prompts')}`: {ds.sizes['request']} decodes "
+              f"{a.get('backend')}{_runtime_desc(a)}, prompts `{a.get('prompts')}`: "
+              f"{ds.sizes['request']} decodes "
               f"({n_prompts} prompts × seeds {seeds} × policies {', '.join(pols)}), up to "
               f"{a.get('max_new_tokens')} new tokens, prompts cut to their last "
               f"{a.get('max_prompt_tokens')} tokens. Sampling: {a.get('sampling')}. "

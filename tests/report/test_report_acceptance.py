@@ -235,6 +235,8 @@ def test_runtime_backend_matches_the_engine(mini, tmp_path):
     res = Engine.from_checkpoint(mini, rcfg).generate(
         GenerationRequest(tuple(range(40, 52)), 6, ck.cfg.sampling, 2), on_round=lambda r: None)
     assert ds.attrs["backend"] == "runtime" and ds.attrs["routing_precision"] == "bf16-fold"
+    assert ds.attrs["graphs"] == "off"  # auto on a CPU
+    assert "backend runtime (ops twins, graphs off)" in (out / "summary.md").read_text()
     assert int(ds.new_tokens[0]) == len(res.tokens) and int(ds.n_rounds[0]) == len(res.rounds)
     for k, r in enumerate(res.rounds):
         assert int(ds.accepted_drafts[0, k]) == r.accepted
@@ -242,3 +244,35 @@ def test_runtime_backend_matches_the_engine(mini, tmp_path):
             d.token for d in r.drafts]
         assert [float(p) for p in ds.draft_prob[0, k, : len(r.drafts)]] == [
             d.prob for d in r.drafts]
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    (dict(graphs="on"), "--graphs on: applies to --backend runtime"),
+    (dict(graphs="maybe"), "--graphs: 'auto', 'on' or 'off'"),
+])
+def test_graphs_setting_is_checked_before_decoding(mini, two_prompts, tmp_path, kw, match):
+    with pytest.raises(ValueError, match=match):
+        run_acceptance(_spec(mini, two_prompts, tmp_path / "r", **kw))
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU refusal")
+def test_graphs_on_without_a_gpu_is_refused(mini, two_prompts, tmp_path):
+    with pytest.raises(ValueError, match="--graphs on: CUDA graphs need a GPU"):
+        run_acceptance(_spec(mini, two_prompts, tmp_path / "r", graphs="on", backend="runtime"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_auto_on_a_gpu_replays_graphs_with_the_same_decodes(mini, two_prompts, tmp_path):
+    """With the compiled kernels on a GPU the report replays one graph per round by default;
+    every decode (tokens, drafts, acceptance) equals the eager run's."""
+    runs = {}
+    for graphs in ("auto", "off"):
+        out = tmp_path / graphs
+        run_acceptance(_spec(mini, two_prompts, out, backend="runtime", ops="kernels",
+                             graphs=graphs))
+        runs[graphs] = xr.load_dataset(out / NC_NAME, engine="scipy")
+    assert runs["auto"].attrs["graphs"] == "on" and runs["off"].attrs["graphs"] == "off"
+    for var in ("new_tokens", "n_rounds", "accepted_drafts", "draft_token", "chosen_depth"):
+        assert runs["auto"][var].equals(runs["off"][var]), var
