@@ -1,8 +1,9 @@
 """Gate 3e — scheduling pairs on the GPU (issue 5, gate 3): launching the same request eagerly,
 as one CUDA graph per round from the host loop, or as the device loop (a WHILE graph node), with
-the log read every round, every few rounds, once, or per streamed chunk, and rerunning it, must
-give the same bits: output tokens, every round's drafts / q(y) / entropies / acceptance / depth
-and a digest of every cache after the request. Fixed depth 3 and the model's fitted adaptive
+the log read every round, every few rounds, once, or per streamed chunk, rerunning it, and each
+launch mode with programmatic dependent launch, must give the same bits: output tokens, every
+round's drafts / q(y) / entropies / acceptance / depth and a digest of every cache after the
+request. Fixed depth 3 and the model's fitted adaptive
 policy (its later depths in IF nodes under graphs, 0-row kernels when eager) on the mini model
 with compiled kernels.
 
@@ -37,6 +38,11 @@ VARIANTS = {
     "graph, log every round": (dict(graphs=True), "rounds"),
     "device loop, one launch": (dict(graphs=True, loop="device"), None),
     "device loop, streamed": (dict(graphs=True, loop="device"), "tokens"),
+    # programmatic dependent launch (kernels/launch.py): every kernel waits before touching
+    # memory, so the bits may not move
+    "eager, PDL": (dict(graphs=False, pdl=True), None),
+    "graph, PDL": (dict(graphs=True, sync_rounds=4, pdl=True), None),
+    "device loop, PDL": (dict(graphs=True, loop="device", pdl=True), None),
 }
 
 
