@@ -184,12 +184,12 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torc
     check_tensor("scratch.logits", scratch.logits, shape=(cfg.route_rows, E),
                  dtypes=(torch.float32,), device=x.device)
     n = live_count(n_live, R, x.device)
-    ids = torch.full((R, top_k), -1, dtype=torch.int32, device=x.device)
-    wts = torch.full((R, top_k), float("nan"), dtype=torch.float32, device=x.device)
+    ids = torch.empty(R, top_k, dtype=torch.int32, device=x.device)  # every row is written
+    wts = torch.empty(R, top_k, dtype=torch.float32, device=x.device)
     grid = triton.cdiv(E, cfg.block_e)
     _route_kernel[(grid,)](
         x, router_w, scratch.logits, scratch.counter, ids, wts, scratch.flag, n, x.stride(0),
-        ids.stride(0), wts.stride(0), grid, HIDDEN=H, EXPERTS=E,
+        ids.stride(0), wts.stride(0), grid, R, HIDDEN=H, EXPERTS=E,
         BLOCK_EALL=triton.next_power_of_2(E), TOP_K=top_k,
         BLOCK_TOPK=triton.next_power_of_2(top_k), ROUTE_ROWS=cfg.route_rows,
         BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,

@@ -136,7 +136,7 @@ def _router_program(
 @triton.jit
 def _route_kernel(
     x_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr, n_live_ptr,
-    stride_x, stride_ir, stride_wr, n_router,
+    stride_x, stride_ir, stride_wr, n_router, n_rows,
     HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -144,12 +144,20 @@ def _route_kernel(
     """A standalone route of a ready x [R ≤ ROUTE_ROWS, H] (the draft layer's f_in): program j
     computes experts [j·BLOCK_E, (j+1)·BLOCK_E) for every live row, so the router weight is
     read once across the grid instead of once per row; the last program to finish (acq_rel
-    counter) routes all rows with the folded router's `_route_finish`."""
+    counter) routes all rows with the folded router's `_route_finish`. Program 0 also marks the
+    padding rows [n, n_rows) of ids / weights (−1 / NaN), so the outputs need no fill launch."""
     pdl_enter(PDL)
     j = tl.program_id(0)
     n = tl.load(n_live_ptr)
     rows = tl.arange(0, ROUTE_ROWS)
     rl = rows < n
+    if j == 0:
+        kc = tl.arange(0, BLOCK_TOPK)
+        pad = (~rl & (rows < n_rows))[:, None] & (kc < TOP_K)[None, :]
+        tl.store(ids_ptr + rows[:, None] * stride_ir + kc[None, :],
+                 tl.full([ROUTE_ROWS, BLOCK_TOPK], -1, tl.int32), mask=pad)
+        tl.store(wts_ptr + rows[:, None] * stride_wr + kc[None, :],
+                 tl.full([ROUTE_ROWS, BLOCK_TOPK], float("nan"), tl.float32), mask=pad)
     e = j * BLOCK_E + tl.arange(0, BLOCK_E)
     em = e < EXPERTS
     acc = tl.zeros([ROUTE_ROWS, BLOCK_E], tl.float32)

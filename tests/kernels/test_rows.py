@@ -190,7 +190,8 @@ def test_route_rows_refuses_more_rows_than_a_program_takes(device):
 SM90_ROUTE = dict(
     module="tail_router", kernel="_route_kernel",
     sig={"x_ptr": "*bf16", "rw_ptr": "*fp32", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
-         "ids_ptr": "*i32", "wts_ptr": "*fp32", "flag_ptr": "*i32", "n_live_ptr": "*i32"},
+         "ids_ptr": "*i32", "wts_ptr": "*fp32", "flag_ptr": "*i32", "n_live_ptr": "*i32",
+         "n_rows": "i32"},
     const={"HIDDEN": 3072, "EXPERTS": 256, "BLOCK_EALL": 256, "TOP_K": 8, "BLOCK_TOPK": 8,
            "ROUTE_ROWS": 8, "BLOCK_E": 2, "BLOCK_K": 1024, "PDL": False},
     patterns=("atom\\.acq_rel\\.gpu", "atom\\.global\\.gpu\\.acq_rel", "fma\\.rn\\.f32",
