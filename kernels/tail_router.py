@@ -70,6 +70,24 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
 
 
 @triton.jit
+def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+             stride_ir, stride_ik, stride_wr, stride_wk, n_router,
+             HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
+             TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+             REARM_RIN: tl.constexpr):
+    """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes."""
+    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
+             mask=rl[:, None] & em[None, :])
+    # release: every thread's logits are stored before the counter moves
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == n_router - 1:
+        _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+                      stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
+                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN)
+
+
+@triton.jit
 def _router_program(
     rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
     stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls,
@@ -122,15 +140,9 @@ def _router_program(
             acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
     tl.store(flag_ptr, 1, mask=ok == 0)
     acc = tl.where(ok != 0, acc, float("nan"))
-    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
-             mask=rl[:, None] & em[None, :])
-    # release: every thread's logits are stored before the counter moves
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_router - 1:
-        _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
-                      stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, True)
+    _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+             stride_ir, stride_ik, stride_wr, stride_wk, n_router, HIDDEN, EXPERTS, BLOCK_EALL,
+             TOP_K, BLOCK_TOPK, BLOCK_K, True)
 
 
 @triton.jit
@@ -169,15 +181,9 @@ def _route_kernel(
         w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
                     mask=em[:, None] & km[None, :], other=0.0).to(tl.float32)  # [BE, BK]
         acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
-    tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
-             mask=rl[:, None] & em[None, :])
-    # release: every thread's logits are stored before the counter moves
-    tl.debug_barrier()
-    done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == n_router - 1:
-        _route_finish(logit_ptr, ids_ptr, wts_ptr, logit_ptr, cnt_ptr, flag_ptr,
-                      stride_ir, 1, stride_wr, 1, rows, rl,
-                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, False)
+    _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, logit_ptr, cnt_ptr, flag_ptr,
+             stride_ir, 1, stride_wr, 1, n_router, HIDDEN, EXPERTS, BLOCK_EALL, TOP_K,
+             BLOCK_TOPK, BLOCK_K, False)
 
 
 @dataclass(frozen=True)
