@@ -37,6 +37,13 @@ checks it exhaustively on small cases and with hypothesis-drawn schedules on the
   multiple of B (87 target layers × 2 tails = 174 = 58·3), or the slot base must come from a
   device counter. After any failure flag the state of the ring is unknown: synchronize and
   `reset()` it (and the router scratch of kernels/tails.py).
+  Empty steps. A step with 0 live rows (rounds after the request's end, graph capture's warm-up)
+  writes, reads and re-arms nothing, so the slot its consumer would have re-armed keeps the
+  previous step's values: a live step B − 1 later could take them for fresh (case (3)). So an
+  empty step must be followed by an arm of every slot on every rank, synchronized, before the
+  next live step — the TP engine arms its rings at every request's start and before its decode
+  (iquestrt/tp/peer_ring.py TPRings.reset); `explore(..., arm_after_empty=...)` checks both
+  ways.
   The re-arm runs inside the consumer kernel, after its readiness poll: that poll is the evidence
   (1) needs, and a separate re-arm kernel would add one kernel boundary per reduction (≈0.9 µs in
   a CUDA graph, two per layer) for the same ordering.
@@ -111,8 +118,10 @@ class ProtocolSim:
         stale = [(q, r, self.state[s, q, r]) for q in range(self.ranks) for r in range(n_live)
                  if self.state[s, q, r] != step]
         a = self.policy.rearm_slot(step)
-        # a kernel knows only this step's n_live: the unsafe variant re-arms those rows
-        for r in range(self.rows if self.policy.rearm_all_rows else n_live):
+        # a kernel knows only this step's n_live: the unsafe variant re-arms those rows; an
+        # empty step (n_live = 0) re-arms nothing (kernels' ready_row)
+        rearmed = self.rows if self.policy.rearm_all_rows else n_live
+        for r in range(rearmed if n_live > 0 else 0):
             self.state[a, rank, r] = None
         if stale:
             return (f"consumer({step}) on rank {rank} took (rank, row, written at step) "
@@ -121,51 +130,68 @@ class ProtocolSim:
 
 
 def explore(
-    policy: RingPolicy, ranks: int, rows: int, n_live: tuple[int, ...]
+    policy: RingPolicy, ranks: int, rows: int, n_live: tuple[int, ...],
+    arm_after_empty: bool = False,
 ) -> Violation | None:
     """Breadth-first over every interleaving of the ranks' ops for steps 0..len(n_live)−1
-    (n_live[t] live rows at step t); the shortest violating trace, or None."""
+    (n_live[t] live rows at step t; 0 = an empty step: no writes, no poll, no re-arm); the
+    shortest violating trace, or None. arm_after_empty: before a live step that follows an
+    empty one, every rank waits until all ranks got there, then all slots are armed (NaN)."""
     steps = len(n_live)
+
+    def phase(t: int) -> tuple[int, tuple[int, ...]]:  # start of step t: produce its live rows
+        if t == steps:
+            return 2 * steps, ()
+        return (2 * t, tuple(range(n_live[t]))) if n_live[t] else (2 * t + 1, ())
+
+    def gated(t: int) -> bool:  # live step t after an empty one, behind the synchronized arm
+        return arm_after_empty and 0 < t < steps and n_live[t] > 0 and n_live[t - 1] == 0
+
     start = ProtocolSim(policy, ranks, rows)
-    # per rank: (pc, rows still to write in this produce phase); pc = 2t produce, 2t + 1 consume
-    begin = tuple((0, tuple(range(n_live[0]))) for _ in range(ranks))
-    queue = deque([(begin, start.state, ())])
-    seen = {(begin, start.key())}
+    begin = tuple(phase(0) for _ in range(ranks))
+    queue = deque([(begin, start.state, (), frozenset())])
+    seen = {(begin, start.key(), frozenset())}
     while queue:
-        pcs, state, trace = queue.popleft()
-        moves = []
+        pcs, state, trace, armed = queue.popleft()
+        nodes = []
+        at = {pc for pc, _ in pcs}
+        t_all = next(iter(at)) // 2 if len(at) == 1 else None
+        if (t_all is not None and next(iter(at)) % 2 == 0 and gated(t_all)
+                and t_all not in armed):  # every rank at the barrier: arm all slots
+            sim = ProtocolSim(policy, ranks, rows)
+            nodes.append((pcs, sim.state, trace + (("arm", -1, t_all, -1),), armed | {t_all}))
         for q, (pc, todo) in enumerate(pcs):
             if pc == 2 * steps:
                 continue
             t, is_consume = divmod(pc, 2)
-            if is_consume:
-                moves.append((q, ("consume", q, t, -1)))
-            else:
-                moves += [(q, ("produce", q, t, r)) for r in todo]
-        progressed = False
-        for q, op in moves:
+            if not is_consume and gated(t) and t not in armed:
+                continue  # waiting at the barrier
             sim = ProtocolSim(policy, ranks, rows)
             sim.state = dict(state)
-            _, _, t, row = op
-            pc, todo = pcs[q]
-            if op[0] == "consume":
+            if is_consume:
                 if not sim.ready(t, n_live[t]):
                     continue
+                op = ("consume", q, t, -1)
                 err = sim.consume(q, t, n_live[t])
                 if err:
                     return Violation("stale", err, trace + (op,))
-                nxt_pc = pc + 1
-                nxt = (nxt_pc, tuple(range(n_live[t + 1])) if t + 1 < steps else ())
-            else:
+                new = pcs[:q] + (phase(t + 1),) + pcs[q + 1:]
+                nodes.append((new, sim.state, trace + (op,), armed))
+                continue
+            for row in todo:
+                sim = ProtocolSim(policy, ranks, rows)
+                sim.state = dict(state)
                 sim.produce(q, t, row)
                 left = tuple(r for r in todo if r != row)
                 nxt = (pc, left) if left else (pc + 1, ())
-            progressed = True
-            new = pcs[:q] + (nxt,) + pcs[q + 1:]
-            if (new, sim.key()) not in seen:
-                seen.add((new, sim.key()))
-                queue.append((new, sim.state, trace + (op,)))
-        if not progressed and any(pc < 2 * steps for pc, _ in pcs):
+                new = pcs[:q] + (nxt,) + pcs[q + 1:]
+                nodes.append((new, sim.state, trace + (("produce", q, t, row),), armed))
+        for new, st, tr, arm in nodes:
+            key = (new, tuple(st[k] for k in sorted(st)), arm)
+            if key not in seen:
+                seen.add(key)
+                queue.append((new, st, tr, arm))
+        if not nodes and any(pc < 2 * steps for pc, _ in pcs):
             waiting = [q for q, (pc, _) in enumerate(pcs) if pc < 2 * steps]
             return Violation("stuck", f"ranks {waiting} wait forever at {pcs}", trace)
     return None
@@ -264,14 +290,15 @@ def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar, p
     timeout, re-arm this row of `rearm` (each of its REARM_PARTS buffers) once ready.
     → (FP32 sum [BLOCK_H], ready, live).
     A padding row (row ≥ n) with re-arming polls row 0 instead: it needs the evidence that this
-    step's producers ran, not the data (so a re-arming step must have n ≥ 1). Without re-arming a
-    padding row has nothing to wait for: it makes no poll and raises no flag — also when n = 0,
-    as in a device round after the request finished (iquestrt/round.py), whose partial buffers
-    nobody writes."""
+    step's producers ran, not the data. Without re-arming a padding row has nothing to wait for:
+    it makes no poll and raises no flag. A step with n = 0 is empty either way — a round after
+    the request finished (iquestrt/round.py), or graph capture's warm-up: nobody writes, so
+    nobody polls, re-arms or raises the flag; the ring must be armed again (every rank,
+    synchronized) before its next live step (module docstring, "Empty steps")."""
     live = row < n
     src = tl.where(live, row, 0)
     if REARM:
-        budget = max_polls
+        budget = tl.where(n > 0, max_polls, 0)
     else:
         budget = tl.where(live, max_polls, 0)
     acc, ready, polls = wait_partial_sum(part_ptr, stride_pn, src * stride_pr, cols, cmask,
@@ -279,7 +306,9 @@ def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar, p
     if WRITE_POLLS:
         tl.store(polls_ptr + row, polls)
     fail = ready == 0
-    if not REARM:
+    if REARM:
+        fail = fail & (n > 0)
+    else:
         fail = fail & live
     tl.store(flag_ptr, 1, mask=fail)
     if REARM:  # REARM_PARTS buffers [R, H] stride_an apart (a rank's split-K partials)

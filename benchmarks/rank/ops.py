@@ -95,11 +95,6 @@ class RankOpsMixin:
         local = buf.shape[0] - self.peers
         peers = [buf[local + p].clone() for p in range(self.peers)]
         spare = torch.full_like(buf[:local], float("nan"))
-        # Graph capture's warm-up runs every tail with 0 live rows (iquestrt/graphs.py), and a
-        # re-arming tail's padding rows then poll row 0 for evidence that the step's producers
-        # ran (readiness.ready_row). Nothing re-arms these local slots (the spare takes the
-        # re-arm), so NaN in them would only fail that warm-up: they start finite instead.
-        buf[:local].zero_()
         return RingRead(PeerPartials.of([*buf[:local], *peers]), spare, self.max_polls)
 
     def steps_taken(self) -> int:

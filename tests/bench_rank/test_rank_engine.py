@@ -166,24 +166,24 @@ def test_the_table_read_changes_no_bit(weights):
 
 @interpreted
 def test_table_reads_pass_a_zero_live_warm_up(weights):
-    """Graph capture warms up with 0 live rows; a re-arming tail's padding rows then poll row 0
-    of every partial. Fresh table reads must be ready (H200, session 7: NaN-initialized local
-    slots raised the flag at round 0 of every graphed run); NaN there does raise it."""
+    """Graph capture warms up with 0 live rows. A re-arming tail's step with 0 live rows is
+    empty — no poll, no re-arm, no flag (kernels/readiness.py) — so fresh table reads, whose
+    local slots are still NaN, pass it (H200, session 7: before that rule the warm-up raised
+    the flag at round 0 of every graphed run); one live row on the same slots does raise it."""
     rc = RuntimeConfig(ops="kernels", device="cpu", max_width=8, ring_pad=64, max_positions=512,
                        policy=FixedDepth(1), prefetch=False)
     ops = RankEngine(weights, rc, _table(), seed=1, reduce="table").ops
     h = torch.zeros(8, CFG.target.hidden_size, dtype=torch.bfloat16)
     w = torch.ones(CFG.target.hidden_size, dtype=torch.bfloat16)
-    none = Live.of(0, "cpu")
 
-    def flag_after(read):
+    def flag_after(read, live):
         flag = torch.zeros(1, dtype=torch.int32)
-        moe_tail(read.partials, h, w, none.t, flag, eps=1e-6, ffn_out_scale=1.0, max_polls=2,
-                 rearm=read.rearm)
+        moe_tail(read.partials, h, w, Live.of(live, "cpu").t, flag, eps=1e-6,
+                 ffn_out_scale=1.0, max_polls=2, rearm=read.rearm)
         return flag.item()
 
     reads = list(ops.reads.values())
     assert len(reads) == len(ops.attn_buf) + len(ops.moe_buf)
-    assert [flag_after(r) for r in reads] == [0] * len(reads)
-    reads[0].partials.buffers[0].fill_(float("nan"))
-    assert flag_after(reads[0]) == 1
+    assert torch.isnan(reads[0].partials.buffers[0]).all()  # unwritten local slot
+    assert [flag_after(r, 0) for r in reads] == [0] * len(reads)
+    assert flag_after(reads[0], 1) == 1

@@ -169,6 +169,19 @@ def test_policy_safety_matches_exhaustive_model():
     print("\n", verdicts)
 
 
+def test_empty_steps_need_a_synchronized_arm_before_the_next_live_step():
+    """Steps with 0 live rows (rounds after a request's end, graph capture's warm-up) re-arm
+    nothing: without an arm before the next live step a slot keeps an old step's values and is
+    taken for fresh; with every rank arming at a barrier there, no interleaving goes wrong."""
+    pol = RingPolicy()
+    for n_live in ((2, 0, 1, 2, 1, 2), (1, 0, 0, 2, 1, 1, 2), (2, 2, 0, 1, 1, 2)):
+        v = explore(pol, ranks=2, rows=2, n_live=n_live)
+        assert v is not None and v.kind == "stale", (n_live, v)
+        assert explore(pol, 2, 2, n_live, arm_after_empty=True) is None, n_live
+    assert explore(pol, 2, 2, (0, 0, 2, 1, 2, 1)) is None  # empty steps first: armed anyway
+    assert explore(pol, 3, 1, (1, 0, 0, 1, 1, 1), arm_after_empty=True) is None
+
+
 # --- one consume on the kernels ------------------------------------------------------------
 
 
@@ -461,3 +474,22 @@ def test_gpu_producer_never_writes(device):
     ring = PartialRing(RingPolicy(), 8, 8, 3072, device=device)
     ring.reset()  # what the engine does after a failure
     assert torch.isnan(ring.buf).all()
+
+
+def test_an_empty_step_polls_rearms_and_flags_nothing(device):
+    """n_live = 0 with re-arming (a round after the request's end, graph capture's warm-up): no
+    program polls — the partials may all be NaN —, the re-arm target keeps its values, no flag;
+    the same slot with one live row does wait, fail and leave the target alone (not ready)."""
+    hidden, rows = 64, 4
+    parts = torch.full((2, rows, hidden), float("nan"), device=device)
+    h = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device)
+    w = torch.ones(hidden, dtype=torch.bfloat16, device=device)
+    for n, want_flag, want_polls in ((0, 0, 0), (1, 1, 3)):
+        rearm = torch.full((1, rows, hidden), 7.0, device=device)
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        polls = torch.full((rows,), -1, dtype=torch.int32, device=device)
+        moe_tail(parts, h, w, torch.tensor([n], dtype=torch.int32, device=device), flag,
+                 eps=1e-6, ffn_out_scale=1.0, max_polls=3, rearm=rearm, polls=polls)
+        assert flag.item() == want_flag, n
+        assert (polls.cpu() == want_polls).all(), (n, polls)
+        assert (rearm.cpu() == 7.0).all(), n
