@@ -158,9 +158,9 @@ def _check_tp(a) -> None:
                          f"torchrun --nproc-per-node {a.tp} -m iquestrt.cli generate --tp {a.tp} …")
     if world != str(a.tp):
         raise ValueError(f"--tp {a.tp}: torchrun started {world} processes (WORLD_SIZE)")
-    if a.graphs:
-        raise ValueError("--tp with --graphs: CUDA graphs with tensor parallelism are not "
-                         "supported yet")
+    if a.loop == "device":
+        raise ValueError("--tp with --loop device: the device loop with tensor parallelism is "
+                         "not supported (NCCL kernels inside a WHILE node); use the host loop")
 
 
 def _tp_engine(ckpt, rcfg):

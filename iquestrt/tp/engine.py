@@ -7,9 +7,15 @@ rank (iquestrt/tp/sampling.py), the same rounds: tokens, acceptance and cache se
 RuntimeConfig.tp_reduce = "peer": the O and expert partials go through rings the tails read on
 every rank (iquestrt/tp/peer_ring.py) instead of all-gathers; same bits.
 
-Not yet: CUDA graphs with TP (the sharded sampler reads the seed and sampling values from the
-device already; the collectives inside a captured round are untried) — refused with a clear
-error.
+CUDA graphs (RuntimeConfig.graphs, host loop): a round is captured with its collectives (the
+sharded sampler's candidate all-gather, layer 0's dense partials, with tp_reduce "gather" every
+reduction) and, with tp_reduce "peer", its ring slots: each ring takes a fixed number of
+reductions per forward and has a number of slots that divides it (peer_ring.ring_buffers), so
+every forward — eager prefill chunk, capture, replay — starts at slot 0 and a replay's fixed
+slots are the ones the protocol expects. Capture's warm-up runs with 0 live rows (empty steps:
+no poll, no re-arm), so the rings are reset (armed, every rank, synchronized) at each request's
+start and again before its rounds. The device loop (a WHILE node around NCCL kernels) is
+refused. Run on CPUs (gloo, eager); graphs need the GPUs and were not run there yet.
 """
 
 from __future__ import annotations
@@ -22,8 +28,8 @@ from iquestrt.draft import DraftModel
 from iquestrt.engine import Engine
 from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup
-from iquestrt.tp.model import TPTargetModel
-from iquestrt.tp.peer_ring import make_rings
+from iquestrt.tp.model import TPTargetModel, reduction_steps
+from iquestrt.tp.peer_ring import make_rings, ring_buffers
 from iquestrt.tp.sampling import ShardedSampler, make_sharded_sampler
 from iquestrt.tp.shard import shard_weights
 from iquestrt.weights import Weights
@@ -53,9 +59,10 @@ class TPEngine(Engine):
 
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, group: TPGroup):
         """weights: the full model (each rank cuts its share); group: this rank's TPGroup."""
-        if rcfg.graphs:
-            raise ValueError("TPEngine: RuntimeConfig.graphs is not supported with tensor "
-                             "parallelism yet (collectives inside a captured round are untried)")
+        if rcfg.loop == "device":
+            raise ValueError("TPEngine: RuntimeConfig.loop 'device' is not supported with tensor "
+                             "parallelism (NCCL kernels inside a WHILE node's body are untried);"
+                             " use the host loop")
         if rcfg.pdl:
             raise ValueError("TPEngine: RuntimeConfig.pdl is not supported with tensor "
                              "parallelism yet (the sharded sampler launches without it)")
@@ -70,11 +77,31 @@ class TPEngine(Engine):
         rings = None
         if rcfg.tp_reduce == "peer":
             o_w = rank_w.layers[0].attn.o.w  # [H, Po]: every layer's O projection has this shape
+            steps = reduction_steps(rank_w)
+            if rcfg.graphs and None in map(ring_buffers, steps):
+                raise ValueError(f"TPEngine: graphs with tp_reduce 'peer' need at least 3 "
+                                 f"reductions of each kind per forward (a ring of >= 3 slots "
+                                 f"dividing them); this model has {steps}")
             rings = make_rings(group, rcfg.max_width, full.target.hidden_size,
-                               linear_fp8_splits(*o_w.shape), rcfg.peer_max_polls)
+                               linear_fp8_splits(*o_w.shape), rcfg.peer_max_polls, *steps)
         self.target = TPTargetModel(rank_w, plans, self.ops, rcfg.max_width, group, rings)
         # the draft is whole on every rank: it reads the full model's head counts
         self.draft = DraftModel(dataclasses.replace(rank_w, cfg=full), self.ops, rcfg.max_width)
+
+    def generate(self, req, on_round=None, on_tokens=None):
+        """As Engine.generate; collective (every rank runs the same request). The rings are
+        reset first: the previous request may have ended in rounds with 0 live rows."""
+        self._reset_rings()
+        return super().generate(req, on_round, on_tokens)
+
+    def _prepare(self, st, hidden):
+        launcher = super()._prepare(st, hidden)  # may capture: a warm-up of empty steps
+        self._reset_rings()
+        return launcher
+
+    def _reset_rings(self) -> None:
+        if self.target.rings is not None:
+            self.target.rings.reset(self.group)
 
     def _new_caches(self, capacity: int) -> RuntimeCaches:
         return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device,

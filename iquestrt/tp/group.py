@@ -176,6 +176,22 @@ def all_gather(group: TPGroup, x: torch.Tensor, where: str, what: str) -> torch.
     return out.view(group.world, *x.shape)
 
 
+def settle(group: TPGroup, where: str) -> None:
+    """Every rank's queued kernels have finished (its device synchronized) and every rank got
+    here: a bounded barrier, named in its error."""
+    if group.device.type == "cuda":
+        torch.cuda.synchronize(group.device)
+    if group.world == 1:
+        return
+    group.require_initialized(where)
+    try:
+        dist.barrier()
+    except RuntimeError as e:
+        raise TPError(f"{where}: rank {group.rank} of {group.world}: the barrier failed or timed "
+                      f"out (bound {group.timeout_s:g} s): a peer rank did not reach it or "
+                      f"died: {e}") from e
+
+
 def init_group(
     rank: int | None = None,
     world: int | None = None,

@@ -38,6 +38,12 @@ from iquestrt.weights import Weights
 WHERE = "tp.model"
 
 
+def reduction_steps(weights: Weights) -> tuple[int, int]:
+    """(O-projection reductions, expert reductions) of one target forward: every layer's
+    attention, every MoE layer's experts — what each ring takes per forward."""
+    return len(weights.layers), sum(layer.moe is not None for layer in weights.layers)
+
+
 class TPTargetModel(TargetModel):
     def __init__(self, weights: Weights, plans: RankPlans, ops, width: int, group: TPGroup,
                  rings: TPRings | None = None):

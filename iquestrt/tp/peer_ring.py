@@ -9,8 +9,11 @@ and at reduction step t
                      (kernels/readiness.py), then re-arms its own          slot; rearm(t))
                      P_q[(t − 1) mod B] (all S) with NaN
 
-with the ring policy's B = 3, lag 1 (kernels/readiness.py proves the reuse safe and
-tests/kernels/test_readiness.py checks it). The consumer is a tail kernel reading the peers'
+with lag 1 and B ≥ 3 slots (kernels/readiness.py proves the reuse safe and
+tests/kernels/test_readiness.py checks it); B divides the ring's reductions per target forward
+(`ring_buffers`), so every forward starts at slot 0 — what a captured round's fixed slots need.
+A step with 0 live rows is empty (no poll, no re-arm): `TPRings.reset` arms every slot on every
+rank, synchronized, before the next live step. The consumer is a tail kernel reading the peers'
 slots through a table of addresses (kernels/peer_partials.py); one table per slot, made once, so
 captured CUDA graphs replay them. Rank order in the table = rank order of the sum on every rank,
 so every rank computes the same bits — and the bits of the all-gathered [N·S, R, H] partials
@@ -162,18 +165,40 @@ class TPRings:
         self.moe.arm()
         self.o_step = self.moe_step = 0
 
+    def reset(self, group) -> None:
+        """Collective: arm every slot on every rank, with no read of a slot in flight before and
+        no write after until all ranks armed. The TP engine calls it at each request's start and
+        before its decode: a step with 0 live rows (a round after a request's end, graph
+        capture's warm-up) re-arms nothing, and the next live step needs armed slots
+        (kernels/readiness.py, "Empty steps")."""
+        from iquestrt.tp.group import settle
 
-def make_rings(group, rows: int, hidden: int, o_parts: int, max_polls: int,
-               directory=None) -> TPRings:
-    """Both rings of a TP target: symmetric memory on CUDA ranks, shared files on CPU ranks (in
-    `directory`, or one rank 0 makes and removes at exit). Collective."""
+        settle(group, "tp.peer_ring.reset (before arming)")
+        self.arm()
+        settle(group, "tp.peer_ring.reset (after arming)")
+
+
+def ring_buffers(steps: int) -> int | None:
+    """Slots B for a ring that takes `steps` reductions per target forward: the smallest
+    divisor ≥ 3 of steps (3 = lag 1 + 2, the least safe ring), so every forward starts at slot 0
+    and a captured round's fixed slots are the right ones at every replay; None when steps has
+    no such divisor (fewer than 3 steps)."""
+    return next((b for b in range(3, steps + 1) if steps % b == 0), None)
+
+
+def make_rings(group, rows: int, hidden: int, o_parts: int, max_polls: int, o_steps: int,
+               moe_steps: int, directory=None) -> TPRings:
+    """Both rings of a TP target, sized by ring_buffers of their steps per forward (3 when
+    there is no divisor: eager launches only): symmetric memory on CUDA ranks, shared files on
+    CPU ranks (in `directory`, or one rank 0 makes and removes at exit). Collective."""
+    o_pol, moe_pol = (RingPolicy(buffers=ring_buffers(n) or 3) for n in (o_steps, moe_steps))
     if group.backend == "nccl":
-        o = symmetric_ring(group, rows, hidden, o_parts)
-        moe = symmetric_ring(group, rows, hidden, 1)
+        o = symmetric_ring(group, rows, hidden, o_parts, o_pol)
+        moe = symmetric_ring(group, rows, hidden, 1, moe_pol)
         return TPRings(o, moe, max_polls)
     directory = directory or _shared_directory(group)
-    o = shared_file_ring(group, rows, hidden, directory, "o", o_parts)
-    moe = shared_file_ring(group, rows, hidden, directory, "moe", 1)
+    o = shared_file_ring(group, rows, hidden, directory, "o", o_parts, o_pol)
+    moe = shared_file_ring(group, rows, hidden, directory, "moe", 1, moe_pol)
     return TPRings(o, moe, max_polls, directory)
 
 

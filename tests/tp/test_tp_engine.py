@@ -17,7 +17,9 @@ from iquestrt.config import RuntimeConfig, RuntimeConfigError
 from iquestrt.engine import Engine
 from iquestrt.tp.engine import TPEngine
 from iquestrt.tp.group import TPGroup
+from iquestrt.tp.peer_ring import ring_buffers
 from iquestrt.weights import from_checkpoint
+from kernels.readiness import RingPolicy
 from qualification import mini_engine
 from reference.checkpoint import load_checkpoint, make_synthetic_checkpoint
 from reference.config import SamplingDefaults
@@ -97,3 +99,40 @@ def test_a_tp_engine_builds_its_rings(tmp_path):
         assert r[q]["o_parts"] == r[q]["made"], "O ring slots != the partials the GEMM makes"
         assert not r[q]["flags"].any() and torch.isfinite(r[q]["logits"]).all()
         assert r[q]["steps"] == (layers, layers - 1)  # every attention tail; MoE layers ≥ 1
+        assert r[q]["buffers"] == tuple(ring_buffers(n) or 3 for n in (layers, layers - 1))
+        assert r[q]["written"] and r[q]["armed"] and r[q]["after_reset"] == (0, 0)
+
+
+def test_ring_slots_divide_the_reductions_of_a_forward():
+    """A captured round replays fixed slots: a ring's slot count must divide the reductions it
+    takes per forward (and be >= 3, the least safe ring) so every forward starts at slot 0."""
+    assert [ring_buffers(n) for n in (1, 2, 3, 4, 7, 8, 9, 87, 88)] == \
+        [None, None, 3, 4, 7, 4, 3, 3, 4]
+    for n in range(3, 200):
+        b = ring_buffers(n)
+        assert n % b == 0 and b >= 3 and RingPolicy(buffers=b).safe
+
+
+def test_tp_graphs_on_the_device_loop_are_refused():
+    """Checked before anything is sharded or allocated (a CUDA device string needs no GPU)."""
+    w = from_checkpoint(load_checkpoint(mini_engine.MINI), "cpu", 256)
+    g = TPGroup(0, 2, "gloo", torch.device("cpu"), 10.0)
+    loop = RuntimeConfig(ops="twins", device="cuda", max_positions=256, ring_pad=8,
+                         prefetch=False, graphs=True, loop="device")
+    with pytest.raises(ValueError, match="loop 'device' is not supported with tensor"):
+        TPEngine(w, loop, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs (one per NCCL rank)")
+@pytest.mark.parametrize("reduce", ["gather", "peer"])
+def test_tp2_graphs_equal_eager_over_two_requests(reduce, tmp_path):
+    """TP2 over NCCL with one captured graph per round (its collectives and, with "peer", its
+    ring slots inside): sampled decodes of two consecutive requests equal eager launches', with
+    finished-request rounds (0 live rows) run between them; both ranks agree."""
+    spawn(tp_workers.graphs_worker, 2, (2, free_port(), str(tmp_path), 120.0, reduce), 600.0)
+    r = [torch.load(tmp_path / f"rank{q}.pt") for q in range(2)]
+    assert r[0] == r[1]
+    for i in range(2):
+        assert r[0][True, i] == r[0][False, i], f"request {i}: graphs != eager"
+        assert len(r[0][True, i][0]) == 40

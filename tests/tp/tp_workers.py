@@ -148,11 +148,13 @@ def model_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: floa
     rcfg = RuntimeConfig(ops=ops, ring_pad=8, max_positions=cap)
     rings = None
     if reduce == "peer":
+        from iquestrt.tp.model import reduction_steps
         from iquestrt.tp.peer_ring import make_rings
         from kernels.linear import linear_fp8_splits
 
         rings = make_rings(g, 8, w.cfg.target.hidden_size,
-                           linear_fp8_splits(*w.layers[0].attn.o.w.shape), 1 << 24, out_dir)
+                           linear_fp8_splits(*w.layers[0].attn.o.w.shape), 1 << 24,
+                           *reduction_steps(w), out_dir)
     tm = TPTargetModel(w, plans, make_ops(ops, "cpu", rcfg.max_polls), 8, g, rings)
     if broken == "local_o":
         tm._gather = lambda x, what: x if x.dim() == 3 else x[None]  # this rank's partials only
@@ -310,9 +312,51 @@ def engine_rings_worker(rank: int, world: int, port: int, out_dir: str, timeout_
     o = eng.target.w.layers[0].attn.o
     made = eng.ops.linear_fp8_partials(torch.zeros(8, o.w.shape[1], dtype=torch.bfloat16), o,
                                        Live.of(1, "cpu")).shape[0]  # the partials it produces
-    torch.save({"o_parts": rings.o.views[0].shape[1], "made": made,
-                "steps": (rings.o_step, rings.moe_step),
+    steps = (rings.o_step, rings.moe_step)
+    written = bool(torch.isfinite(rings.o.views[rank]).any())
+    eng._reset_rings()  # collective: what each request's start and its decode do
+    armed = all(bool(torch.isnan(r.views[rank]).all()) for r in (rings.o, rings.moe))
+    torch.save({"o_parts": rings.o.views[0].shape[1], "made": made, "steps": steps,
+                "buffers": (rings.o.policy.buffers, rings.moe.policy.buffers),
+                "written": written, "armed": armed, "after_reset": (rings.o_step, rings.moe_step),
                 "flags": flags.clone(), "logits": logits[:5].clone(),
                 "directory": rings.directory, "files": sorted(os.listdir(rings.directory))},
                f"{out_dir}/rank{rank}.pt")
+    tp_group.close_group()
+
+
+def graphs_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float,
+                  reduce: str) -> None:
+    """One NCCL rank on its own GPU (compiled kernels, the mini model): two requests each with
+    one CUDA graph per round and with eager launches, the log read every 4 rounds (rounds with
+    0 live rows run after each request's end); saves every request's tokens and rounds."""
+    import torch
+
+    from iquestrt.config import RuntimeConfig
+    from iquestrt.tp import group as tp_group
+    from iquestrt.tp.engine import TPEngine
+    from iquestrt.weights import from_checkpoint
+    from qualification import mini_engine
+    from reference.checkpoint import load_checkpoint
+    from reference.config import SamplingDefaults
+    from reference.depth import FixedDepth
+    from reference.speculative import GenerationRequest
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="nccl", timeout_s=timeout_s)
+    ck = load_checkpoint(mini_engine.MINI)
+    prompts = [p.ids[-48:] for p in mini_engine.prompts(48)[:2]]
+    out = {}
+    for graphs in (True, False):
+        rcfg = RuntimeConfig(ops="kernels", device=str(g.device), ring_pad=8, max_positions=160,
+                             policy=FixedDepth(3), prefetch=False, graphs=graphs, sync_rounds=4,
+                             tp_reduce=reduce)
+        eng = TPEngine(from_checkpoint(ck, str(g.device), 160), rcfg, g)
+        for i, prompt in enumerate(prompts):
+            res = eng.generate(GenerationRequest(tuple(prompt), 40,
+                                                 SamplingDefaults(1.0, 20, 0.95), 5 + i))
+            out[graphs, i] = (res.tokens, [(r.accepted, [d.token for d in r.drafts])
+                                           for r in res.rounds])
+        del eng
+    torch.save(out, f"{out_dir}/rank{rank}.pt")
     tp_group.close_group()
