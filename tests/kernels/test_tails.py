@@ -569,8 +569,10 @@ def test_rows_without_rearm_wait_only_for_live_rows(n, device):
     """Without re-arming, padding rows have nothing to wait for: on all-NaN (unwritten) partials
     of the padding rows — and with n = 0, of every row, as in a device round launched after the
     request finished — no padding row polls and no flag is raised (before this rule they polled
-    row 0 until max_polls and raised the flag whenever row 0 was unwritten). With re-arming, the
-    padding rows still need row 0's evidence: n = 0 then times out (the documented limit)."""
+    row 0 until max_polls and raised the flag whenever row 0 was unwritten). With re-arming and
+    n = 0 the step is empty too (kernels/readiness.py, "Empty steps"): no poll, no re-arm, no
+    flag — until session 7 it polled row 0 and timed out, which failed graph capture's warm-up
+    on a NaN-armed ring; with n = 2 the padding rows poll row 0 for the producers' evidence."""
     g = torch.Generator().manual_seed(8)
     rows, hidden, experts = 8, 128, 16
     part = torch.full((2, rows, hidden), float("nan"))
@@ -591,11 +593,12 @@ def test_rows_without_rearm_wait_only_for_live_rows(n, device):
     moe_tail(dev(part), dev(xn), dev(w2), n_live, flag, eps=EPS, ffn_out_scale=1.0,
              max_polls=50, polls=mo_polls)
     assert flag.item() == 0 and mo_polls.cpu().tolist() == [1] * n + [0] * (rows - n)
-    if n == 0:
-        rearm = torch.zeros(rows, hidden, device=device)
-        moe_tail(dev(part), dev(xn), dev(w2), n_live, flag, eps=EPS, ffn_out_scale=1.0,
-                 max_polls=50, rearm=rearm, polls=mo_polls)
-        assert flag.item() == 1 and mo_polls.cpu().tolist() == [50] * rows
+    rearm = torch.zeros(rows, hidden, device=device)
+    moe_tail(dev(part), dev(xn), dev(w2), n_live, flag, eps=EPS, ffn_out_scale=1.0,
+             max_polls=50, rearm=rearm, polls=mo_polls)
+    assert flag.item() == 0
+    assert mo_polls.cpu().tolist() == [0 if n == 0 else 1] * rows  # padding rows poll row 0
+    assert (rearm.cpu() == 0).all() if n == 0 else torch.isnan(rearm.cpu()).all()
 
 
 # --- the compiled (non-interpreter) kernels build for sm_90 ------------------------------------
