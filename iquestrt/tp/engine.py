@@ -14,8 +14,8 @@ reductions per forward and has a number of slots that divides it (peer_ring.ring
 every forward — eager prefill chunk, capture, replay — starts at slot 0 and a replay's fixed
 slots are the ones the protocol expects. Capture's warm-up runs with 0 live rows (empty steps:
 no poll, no re-arm), so the rings are reset (armed, every rank, synchronized) at each request's
-start and again before its rounds. The device loop (a WHILE node around NCCL kernels) is
-refused. Run on CPUs (gloo, eager); graphs need the GPUs and were not run there yet.
+start and, with graphs, again before its rounds. The device loop (a WHILE node around NCCL
+kernels) is refused. Run on CPUs (gloo, eager); graphs need the GPUs and were not run there yet.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ class TPEngine(Engine):
         return super().generate(req, on_round, on_tokens)
 
     def _prepare(self, st, hidden):
-        launcher = super()._prepare(st, hidden)  # may capture: a warm-up of empty steps
-        self._reset_rings()
+        launcher = super()._prepare(st, hidden)
+        if self.rcfg.graphs:  # a capture's warm-up ran empty steps; eager prefill ran none
+            self._reset_rings()
         return launcher
 
     def _reset_rings(self) -> None:

@@ -167,9 +167,9 @@ class TPRings:
 
     def reset(self, group) -> None:
         """Collective: arm every slot on every rank, with no read of a slot in flight before and
-        no write after until all ranks armed. The TP engine calls it at each request's start and
-        before its decode: a step with 0 live rows (a round after a request's end, graph
-        capture's warm-up) re-arms nothing, and the next live step needs armed slots
+        no write after until all ranks armed. The TP engine calls it at each request's start and,
+        with graphs, before its decode: a step with 0 live rows (a round after a request's end,
+        graph capture's warm-up) re-arms nothing, and the next live step needs armed slots
         (kernels/readiness.py, "Empty steps")."""
         from iquestrt.tp.group import settle
 
