@@ -98,7 +98,15 @@ class CondGraph:
         checked(self._driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
 
     def close(self) -> None:
-        """Free the instantiated and built graphs (the captures' pool goes with them)."""
+        """Free the instantiated and built graphs and the captured parts (their pool goes with
+        them). Explicit calls only: a part's reset during another stream's capture invalidates
+        that capture (H200, session 8: garbage collection ran it inside a capture)."""
+        self._destroy()
+        for g in getattr(self, "_captures", ()):
+            g.reset()
+        self._captures = []
+
+    def _destroy(self) -> None:
         d = self._driver
         if getattr(self, "exec", None) is not None:
             d.cuGraphExecDestroy(self.exec)
@@ -109,6 +117,6 @@ class CondGraph:
 
     def __del__(self):
         try:
-            self.close()
+            self._destroy()
         except Exception:
             pass

@@ -211,6 +211,11 @@ class Engine:
             self.ops.reset()
             raise
 
+    def close(self) -> None:
+        """Free the captured round graphs (a tensor-parallel group can only be destroyed once
+        no graph holding its collectives is alive); a later request captures anew."""
+        self.programs.close()
+
     def _request_caches(self) -> tuple[RuntimeCaches, torch.Tensor]:
         """The engine's caches (capacity RuntimeConfig.max_positions) and readiness flags,
         emptied for a new request: the same tensors every request, so round graphs captured on

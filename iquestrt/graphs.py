@@ -36,15 +36,20 @@ class Launcher:
     `first` = rounds committed so far (the host knows it from its last log read). Holds
     `program`: its buffers are the ones a captured graph of it reads and writes."""
 
-    def __init__(self, one_round: Callable[[], None], program: RoundProgram):
-        self.one_round, self.program = one_round, program
+    def __init__(self, one_round: Callable[[], None], program: RoundProgram,
+                 graph: torch.cuda.CUDAGraph | None = None):
+        self.one_round, self.program, self.graph = one_round, program, graph
 
     def launch(self, first: int, rounds: int) -> None:
         for _ in range(rounds):
             self.one_round()
 
     def close(self) -> None:
-        pass
+        # NCCL counts every live graph that captured one of its collectives and destroying
+        # its communicator waits for that count to reach 0, so graphs are freed explicitly
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
 
 
 class CondLauncher(Launcher):
@@ -93,8 +98,15 @@ class RoundPrograms:
             graph = capture_conditional(program, st, self._cond, self.loop == "device")
             self.launcher = CondLauncher(graph, program)
             return self.launcher
-        self.launcher = Launcher(capture(program, st).replay, program)  # replay keeps the graph
+        graph = capture(program, st)
+        self.launcher = Launcher(graph.replay, program, graph)
         return self.launcher
+
+    def close(self) -> None:
+        """Free the current launcher's graphs; the next get() builds (captures) anew."""
+        if self.launcher is not None:
+            self.launcher.close()
+        self.launcher, self._state = None, None
 
 
 def _warm_up(program: RoundProgram) -> None:

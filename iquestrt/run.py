@@ -140,7 +140,7 @@ def _runtime(a, ckpt, req, policy):
     else:
         engine = Engine.from_checkpoint(ckpt.directory, rcfg)
     engine.validate(req)
-    return lambda req, on_tokens: engine.generate(req, on_tokens=on_tokens)
+    return engine
 
 
 def _check_tp(a) -> None:
@@ -218,7 +218,7 @@ def generate_from_args(a) -> int:
         runtime = _runtime(a, ckpt, req, policy)
 
         def run(req, sink):
-            return runtime(req, on_tokens=sink)
+            return runtime.generate(req, on_tokens=sink)
     else:
         model = ReferenceModel(cfg, ckpt.dequantized(), precision=a.precision or "bf16")
 
@@ -236,6 +236,7 @@ def generate_from_args(a) -> int:
     if getattr(a, "tp", 1) > 1:
         from iquestrt.tp.group import close_group
 
+        runtime.close()  # its graphs hold the NCCL communicator
         close_group()
     if quiet:
         return 0

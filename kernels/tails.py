@@ -44,7 +44,9 @@ from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
 from reference.tails import AttnTailOut, MoeTailOut
 
-MAX_PARTIALS = 16
+# a TP8 O-projection ring holds 8 ranks × S split-K partials (24 at the IQuest-Q1 rank shape,
+# S = 3; found by `bench round --tp 2` on two H200s); the sum is unrolled, one load each
+MAX_PARTIALS = 64
 
 
 @triton.jit

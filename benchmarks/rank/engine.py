@@ -32,6 +32,8 @@ from benchmarks.rank.ops import PEERS, make_rank_ops
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine, Session
 from iquestrt.round import RoundProgram
+from iquestrt.tp.group import TPGroup
+from iquestrt.tp.peer_ring import TPRings
 from iquestrt.weights import Weights
 from reference.config import SamplingDefaults
 from reference.kv_layout import LayerKV
@@ -74,10 +76,16 @@ class Timing:
 
 class RankEngine(Engine):
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, table: torch.Tensor | None,
-                 seed: int = 0, peers: int = PEERS, reduce: str = "stacked"):
+                 seed: int = 0, peers: int = PEERS, reduce: str = "stacked",
+                 rings: TPRings | None = None, group: TPGroup | None = None):
+        """rings, group: reduce "ring" (`--tp N`): the TP rings every rank's engines share and
+        this rank's group (the rings are reset through it)."""
+        if (rings is None) != (group is None):
+            raise ValueError("RankEngine: rings and group come together (reduce 'ring')")
         super().__init__(weights, rcfg, None)
         self.ops = make_rank_ops(rcfg.ops, rcfg.device, rcfg.max_polls, weights, rcfg.max_width,
-                                 table, peers, reduce, rcfg.pdl)
+                                 table, peers, reduce, rcfg.pdl, rings)
+        self.rings, self.group = rings, group
         self.target.ops = self.draft.ops = self.ops
         self.seed = seed
         self.timing: Timing | None = None
@@ -118,12 +126,24 @@ class RankEngine(Engine):
             st.caches.draft_next = n  # draft rows 1 … n−1 settled: the draft loop below is empty
         return super()._finish_prefill(st, last_logits, hidden)
 
+    # --- the TP rings (as iquestrt.tp.engine.TPEngine resets them) ------------------------------
+    def generate(self, req, on_round=None, on_tokens=None):
+        """Collective with rings: the previous request may have ended in empty steps."""
+        self._reset_rings()
+        return super().generate(req, on_round, on_tokens)
+
+    def _reset_rings(self) -> None:
+        if self.rings is not None:
+            self.rings.reset(self.group)
+
     # --- clock --------------------------------------------------------------------------------
     def _cuda(self) -> bool:
         return self.w.device.type == "cuda"
 
     def _prepare(self, st: Session, hidden: torch.Tensor):
         launcher = super()._prepare(st, hidden)
+        if self.rcfg.graphs:  # capture's warm-up ran empty steps
+            self._reset_rings()
         if self._cuda() and getattr(launcher, "one_round", None) is not None:
             # a launcher reused by a later request keeps its first, unwrapped round
             inner = launcher.__dict__.setdefault("unwrapped_round", launcher.one_round)

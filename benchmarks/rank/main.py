@@ -20,7 +20,8 @@ CONTEXTS = {"1K": 1024, "4K": 4096, "16K": 16384, "64K": 65536, "128K": 131072, 
 WIDTHS = (4, 5, 6, 7, 8)
 BASELINES = ("all", "eager", "compile", "none")
 PDL_MODES = ("off", "on", "ab")  # ab: every configuration with and without, runs alternating
-REDUCES = ("stacked", "table")  # how the tails read the partials (benchmarks/rank/ops.py)
+# how the tails read the partials (benchmarks/rank/ops.py); "ring": --tp N only
+REDUCES = ("stacked", "table", "ring")
 EXIT_USAGE = 2
 EXIT_FAILED = 1  # the record is written, with the failed parts' errors
 
@@ -45,8 +46,9 @@ class SweepSpec:
     loop: str = "host"  # RuntimeConfig.loop for the graph runs: "host" or "device" (WHILE node)
     seed: int = 0
     headline_width: int = 6
-    reduce: str = "stacked"
+    reduce: str = "stacked"  # "ring" with tp > 1 (benchmarks/rank/tp.py)
     pdl: str = "off"  # "on": kernels with programmatic dependent launch; "ab": both, side by side
+    tp: int = 1  # processes under torchrun, one GPU each
 
     def __post_init__(self) -> None:
         bad = [w for w in self.widths if not (isinstance(w, int) and WIDTHS[0] <= w <= WIDTHS[-1])]
@@ -69,6 +71,12 @@ class SweepSpec:
             if getattr(self, name) not in allowed:
                 raise BenchArgsError(f"--{name}: {getattr(self, name)!r}; choose one of "
                                      f"{list(allowed)}")
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or not 1 <= self.tp <= 8:
+            raise BenchArgsError(f"--tp: {self.tp!r}; must be an integer in 1..8")
+        if (self.tp > 1) != (self.reduce == "ring"):
+            raise BenchArgsError(f"--reduce {self.reduce} with --tp {self.tp}: 'ring' is the real "
+                                 "ring of --tp N >= 2 and --tp N >= 2 reduces through it; "
+                                 "'stacked' and 'table' emulate the peers on one GPU")
 
     def context_tokens(self) -> list[int]:
         return [CONTEXTS[c] for c in self.contexts]
@@ -97,10 +105,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="graph runs: host (one replay per round; per-round events) or device "
                         "(a WHILE graph node runs the request; round = loop time / rounds)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--reduce", default=d.reduce,
-                   help="stacked: tails read [S + 7, R, H]; table: through an address table with "
-                        "the 7 peers in their own allocations and a re-arm per tail (what "
-                        "--tp-reduce peer costs a rank)")
+    p.add_argument("--reduce", default=None,
+                   help="stacked (default on one GPU): tails read [S + 7, R, H]; table: through "
+                        "an address table with the 7 peers in their own allocations and a re-arm "
+                        "per tail (what --tp-reduce peer costs a rank); ring (default with --tp): "
+                        "the real ring over the --tp processes")
+    p.add_argument("--tp", type=int, default=d.tp,
+                   help="N processes under torchrun (one GPU each), every one a TP8 rank: the "
+                        "target's reductions go through a real peer-memory ring over the N GPUs "
+                        "plus 8 − N emulated ranks; rank 0 writes the record")
     p.add_argument("--pdl", default=d.pdl,
                    help="programmatic dependent launch of the kernels (kernels/launch.py): off, "
                         "on, or ab (each configuration both ways, the runs alternating; rows "
@@ -108,30 +121,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
+    tp = getattr(a, "tp", 1)
+    reduce = getattr(a, "reduce", None) or ("ring" if tp != 1 else "stacked")
+    a = argparse.Namespace(**{**vars(a), "tp": tp, "reduce": reduce})
     if a.quick:
         return SweepSpec(widths=(6,), adaptive=False, contexts=("1K",), rounds=16, reps=1,
                          baseline="eager" if a.baseline == "all" else a.baseline,
                          baseline_rounds=3, routing=a.routing, mapping=a.mapping,
                          profile="key" if a.profile != "none" else "none", eager=False,
-                         loop=a.loop, seed=a.seed, reduce=a.reduce, pdl=a.pdl)
+                         loop=a.loop, seed=a.seed, reduce=a.reduce, pdl=a.pdl, tp=a.tp)
     return SweepSpec(widths=tuple(a.widths), adaptive=not a.no_adaptive,
                      contexts=tuple(a.contexts), rounds=a.rounds, reps=a.reps,
                      baseline=a.baseline, baseline_rounds=a.baseline_rounds, routing=a.routing,
                      mapping=a.mapping, profile=a.profile, eager=not a.no_eager, loop=a.loop,
-                     seed=a.seed, reduce=a.reduce, pdl=a.pdl)
+                     seed=a.seed, reduce=a.reduce, pdl=a.pdl, tp=a.tp)
 
 
 def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank") -> int:
     spec = spec_from_args(a)  # argument errors first, before any device check
+    import os
+
     import torch
 
+    world = os.environ.get("WORLD_SIZE", "1")
+    if world != str(spec.tp):
+        raise BenchArgsError(f"--tp {spec.tp}: {world} processes (WORLD_SIZE); start it as "
+                             f"torchrun --nproc-per-node {spec.tp} -m benchmarks.rank --tp "
+                             f"{spec.tp} … (one GPU per process)")
     if not torch.cuda.is_available():
         sys.stderr.write("bench round: needs a CUDA GPU (one H200 holds a TP8 rank: ~41 GB of "
                          "E4M3 weights); torch.cuda.is_available() is False here\n")
         return EXIT_USAGE
-    from benchmarks.rank.sweep import run_sweep
+    if spec.tp > 1 and spec.tp > torch.cuda.device_count():
+        sys.stderr.write(f"bench round: --tp {spec.tp} needs a GPU per process; "
+                         f"{torch.cuda.device_count()} visible here\n")
+        return EXIT_USAGE
+    from benchmarks.rank.shapes import rank_config
+    from benchmarks.rank.sweep import Rig, run_sweep
 
-    record = run_sweep(spec, a.out, " ".join([prog, *sys.argv[1:]]))
+    command = " ".join([prog, *sys.argv[1:]])
+    if spec.tp == 1:
+        record = run_sweep(spec, a.out, command)
+    else:
+        from iquestrt.tp import group as tp_group
+
+        g = tp_group.init_group()  # the torchrun environment; multicast switched off first
+        record = run_sweep(spec, a.out, command, Rig(rank_config(), device=str(g.device)), g)
+        tp_group.close_group()
     failed = failures(record)
     if failed:
         sys.stderr.write(f"bench round: {len(failed)} part(s) failed (recorded with their errors "

@@ -19,6 +19,12 @@ deployment does that a single GPU would otherwise skip, with no change to engine
    addresses (kernels/peer_partials.py), the 7 peers in separate allocations as peers' memory
    would be, and re-arm a spare [S, R, H] slot each call — what `--tp-reduce peer` does on a
    rank (iquestrt/tp/peer_ring.py), so the table's and the re-arm's costs are paid.
+4. reduce="ring" (kernels only, `--tp N` under torchrun): the partials go through a real TP ring
+   (iquestrt/tp/peer_ring.py): the local producer writes this rank's slot, the tails read the N
+   real ranks' slots in peer memory — polling until the peers' writes arrive — plus 8 − N
+   emulated ranks (zero partials of their own) and re-arm, so the cross-GPU reads, the waits for
+   the slowest rank and the re-arms are real. Every rank holds the same random weights and runs
+   the same request, so all ranks agree on every token and stay in step.
 Which layer a call belongs to is found from the identity of its weight tensor (o_proj weight,
 router, expert stack), never from call order.
 
@@ -32,6 +38,7 @@ import torch
 
 from benchmarks.rank.main import REDUCES
 from iquestrt.ops import KernelOps, Live, TwinOps
+from iquestrt.tp.peer_ring import TPRings
 from iquestrt.weights import Fp8Linear, MoeWeights, Weights
 from kernels import linear as k_linear
 from kernels import moe as k_moe
@@ -44,15 +51,20 @@ class RankOpsMixin:
     """Put before KernelOps / TwinOps in the bases; call `attach` once before the first round."""
 
     def attach(self, weights: Weights, rows: int, table: torch.Tensor | None,
-               peers: int = PEERS, reduce: str = "stacked") -> None:
+               peers: int = PEERS, reduce: str = "stacked", rings: TPRings | None = None
+               ) -> None:
         """table: [T, L, ≥rows, K] int32 trace ids (None: the router's own ids); reduce: how
-        the tails read the partials (module docstring, 1 and 3)."""
+        the tails read the partials (module docstring, 1, 3 and 4); rings: the TP rings of
+        reduce "ring"."""
         if reduce not in REDUCES:
             raise ValueError(f"reduce: {reduce!r}; choose one of {list(REDUCES)}")
-        if reduce == "table" and not isinstance(self, KernelOps):
-            raise ValueError("reduce 'table': the twins read partials as one tensor")
+        if reduce in ("table", "ring") and not isinstance(self, KernelOps):
+            raise ValueError(f"reduce {reduce!r}: the twins read partials as one tensor")
+        if (reduce == "ring") != (rings is not None):
+            raise ValueError(f"reduce {reduce!r}: rings are given exactly with reduce 'ring'")
         dev, h = weights.device, weights.cfg.target.hidden_size
-        self.peers = peers
+        self.peers, self.rings = peers, rings
+        self._moe_slot = None  # data_ptr of the ring slot the last experts wrote
         self.reads: dict[int, RingRead] = {}  # data_ptr of a stacked buffer → its table read
         self.o_layer: dict[int, int] = {}  # o_proj weight data_ptr → layer
         self.attn_buf: dict[int, torch.Tensor] = {}  # layer → [S + P, R, H]
@@ -63,11 +75,13 @@ class RankOpsMixin:
             o = layer.attn.o
             s = self._local_splits(o)
             self.o_layer[o.w.data_ptr()] = layer.index
-            self.attn_buf[layer.index] = self._buffer(s, rows, h, dev)
+            if rings is None:
+                self.attn_buf[layer.index] = self._buffer(s, rows, h, dev)
             if layer.moe is not None:
                 self.moe_layer[layer.moe.fc.data_ptr()] = layer.index
                 self.router_layer[layer.moe.router.data_ptr()] = layer.index
-                self.moe_buf[layer.index] = self._buffer(1, rows, h, dev)
+                if rings is None:
+                    self.moe_buf[layer.index] = self._buffer(1, rows, h, dev)
         if reduce == "table":
             for buf in [*self.attn_buf.values(), *self.moe_buf.values()]:
                 self.reads[buf.data_ptr()] = self._table_read(buf)
@@ -107,6 +121,9 @@ class RankOpsMixin:
         layer = self.o_layer.get(lin.w.data_ptr())
         if layer is None or out is not None:  # a caller's own buffer: not an emulated reduction
             return super().linear_fp8_partials(x, lin, live, xq=xq, out=out)
+        if self.rings is not None:
+            self._partials_into(x, lin, live, self.rings.next_o(), xq)  # this rank's slot
+            return self.rings.read_o()
         buf = self.attn_buf[layer]
         self._partials_into(x, lin, live, buf[: buf.shape[0] - self.peers], xq)
         return self.reads.get(buf.data_ptr(), buf)  # [S + P, R, H]: the tail sums all
@@ -116,12 +133,20 @@ class RankOpsMixin:
         layer = self.moe_layer.get(m.fc.data_ptr())
         if layer is None or out is not None:
             return super().moe(x, weights, ids, m, live, out_dtype, xq=xq, out=out)
+        if self.rings is not None:
+            slot = self.rings.next_moe()  # [1, R, H] this rank's slot
+            self._moe_into(x, weights, ids, m, live, slot[0], xq)
+            self._moe_slot = slot.data_ptr()
+            return slot[0]
         buf = self.moe_buf[layer]
         self._moe_into(x, weights, ids, m, live, buf[0], xq)
         return buf[0]  # the model passes f[None]: a view starting at buf's first byte
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False):
+        if self.rings is not None and parts.data_ptr() == self._moe_slot and parts.shape[0] == 1:
+            self._moe_slot = None
+            parts = self.rings.read_moe()
         for buf in self.moe_buf.values():
             if buf.data_ptr() == parts.data_ptr() and parts.shape[0] == 1:
                 parts = self.reads.get(buf.data_ptr(), buf)  # [1 + P, R, H]
@@ -179,7 +204,7 @@ class RankTwinOps(RankOpsMixin, TwinOps):
 
 def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: int,
                   table: torch.Tensor | None, peers: int = PEERS, reduce: str = "stacked",
-                  pdl: bool = False):
+                  pdl: bool = False, rings: TPRings | None = None):
     kinds = {"kernels": RankKernelOps, "twins": RankTwinOps}
     if backend not in kinds:
         raise ValueError(f"ops: unknown backend {backend!r}; choose one of {sorted(kinds)}")
@@ -189,5 +214,5 @@ def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: 
         raise ValueError("ops: pdl (programmatic dependent launch) needs the 'kernels' backend")
     else:
         ops = RankTwinOps(torch.device(device), max_polls)
-    ops.attach(weights, rows, table, peers, reduce)
+    ops.attach(weights, rows, table, peers, reduce, rings)
     return ops

@@ -118,12 +118,35 @@ def markdown(rec: dict) -> str:
     if e and "round_s" in e:
         lines += ["", f"Eager launches (no CUDA graph) at the first context, width "
                       f"{spec['headline_width']}: {_ms(e['round_s'])} ms/round."]
-    lines += _pdl_md(rec) + _breakdown_md(rec) + _routing_md(rec) + _baseline_md(rec)
+    lines += (_tp_md(rec) + _pdl_md(rec) + _breakdown_md(rec) + _routing_md(rec)
+              + _baseline_md(rec))
     lines += ["", "Round time: median interval between consecutive rounds of a request "
               "(CUDA events, graph replay, host loop); loop ms/round: Engine._loop over the "
               "request (log reads and final settlement included) ÷ rounds. Floor: "
               "benchmarks/rank/floor.py terms in record.json.", ""]
     return "\n".join(lines)
+
+
+def _tp_md(rec: dict) -> list[str]:
+    tp = rec.get("tp")
+    if not tp:
+        return []
+    n = tp["world"]
+    out = ["", f"## Tensor parallelism: {n} processes ({tp['backend']}), real ring", "",
+           f"Every process is a TP8 rank; the target's O and expert reductions go through the "
+           f"peer-memory ring over the {n} GPUs plus {tp['emulated']} emulated ranks (ring slots: "
+           f"O {tp['ring_slots']['o']}, MoE {tp['ring_slots']['moe']}). Not exchanged: "
+           + "; ".join(tp["not_exchanged"]) + ".", "",
+           "| context | policy | " + " | ".join(f"rank {q} ms" for q in range(n))
+           + " | slowest ÷ rank 0 |", "| --- | --- | " + " | ".join("---" for _ in range(n + 1))
+           + " |"]
+    for i, r in enumerate(rec["configs"]):
+        times = [row[i] for row in tp["rank_round_s"]]
+        if "error" in r or any(t != t for t in times):  # NaN: failed on some rank
+            continue
+        out.append(f"| {r['context_name']} | {r['policy']} | "
+                   + " | ".join(_ms(t) for t in times) + f" | {max(times) / times[0]:.3f} |")
+    return out
 
 
 def pdl_pairs(rec: dict) -> list[dict]:

@@ -23,7 +23,8 @@ from benchmarks.rank.floor import RoundShape, floor_terms
 from benchmarks.rank.main import CONTEXTS, SweepSpec
 from benchmarks.rank.measure import copy_bandwidth, profile_round
 from benchmarks.rank.record import write_record
-from benchmarks.rank.shapes import rank_config
+from benchmarks.rank.shapes import TP, rank_config
+from benchmarks.rank.tp import TPBench, tp_bench
 from benchmarks.rank.traces import (
     MODES,
     distinct_per_layer,
@@ -34,16 +35,18 @@ from benchmarks.rank.traces import (
 )
 from benchmarks.rank.weights import random_weights, weight_bytes
 from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
+from iquestrt.tp.group import TPGroup
 from reference.config import ModelConfig, layer_pattern
 from reference.depth import FixedDepth, default_adaptive
 
 
 class Progress:
-    def __init__(self):
-        self.t0 = time.perf_counter()
+    def __init__(self, quiet: bool = False):
+        self.t0, self.quiet = time.perf_counter(), quiet  # quiet: a TP rank other than 0
 
     def __call__(self, msg: str) -> None:
-        print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t0:7.1f}s] {msg}", flush=True)
 
 
 def routing(spec: SweepSpec, cfg: ModelConfig, say) -> tuple[torch.Tensor, dict]:
@@ -159,11 +162,14 @@ def run_order(names: list[str], group: int, index: int) -> list[str]:
 
 
 def make_engine(rig: Rig, weights, table, policy, graphs: bool, spec: SweepSpec,
-                cap: int, pdl: bool = False) -> RankEngine:
+                cap: int, pdl: bool = False, tp: TPBench | None = None) -> RankEngine:
     rc = RuntimeConfig(ops=rig.ops, device=rig.device, max_width=KERNEL_WIDTH, ring_pad=64,
                        max_positions=cap, policy=policy, graphs=graphs, sync_rounds=16,
                        loop=spec.loop if graphs else "host", prefetch=False, pdl=pdl)
-    return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce)
+    if tp is None:
+        return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce)
+    return RankEngine(weights, rc, table, seed=spec.seed, reduce="ring", rings=tp.rings,
+                      group=tp.group)
 
 
 def run_baseline(spec: SweepSpec, cfg: ModelConfig, table, context: int, say,
@@ -206,8 +212,11 @@ def run_baseline(spec: SweepSpec, cfg: ModelConfig, table, context: int, say,
     return out
 
 
-def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = None) -> dict:
-    say = Progress()
+def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = None,
+              group: TPGroup | None = None) -> dict:
+    """group (`--tp N`): this rank's TP group; every rank runs the same sweep in step, rank 0
+    alone prints, runs the baseline and writes the record."""
+    say = Progress(quiet=group is not None and group.rank != 0)
     rig = rig or Rig(rank_config())
     cfg, dev = rig.cfg, torch.device(rig.device)
     where = torch.cuda.get_device_name() if rig.cuda else rig.device
@@ -224,12 +233,17 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
         torch.cuda.synchronize()
         say(f"weights: {weight_bytes(weights) / 1e9:.2f} GB on the device, "
             f"peak allocated {torch.cuda.max_memory_allocated() / 1e9:.2f} GB")
+    tp = None
+    if group is not None:
+        tp = tp_bench(group, weights, KERNEL_WIDTH, RuntimeConfig.peer_max_polls)
+        say(f"TP ring: {group.world} ranks ({group.backend}) + {tp.emulated} emulated of TP{TP}; "
+            f"slots O {tp.rings.o.policy.buffers}, MoE {tp.rings.moe.policy.buffers}")
     depths = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
     if spec.adaptive:
         depths.append(("adaptive", default_adaptive()))
     policies = [(name + suffix, pol, pdl) for name, pol in depths
                 for suffix, pdl in PDL_VARIANTS[spec.pdl]]  # "ab": the two variants adjacent
-    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl)
+    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl, tp)
                for name, pol, pdl in policies}
     results = []
     total, done = len(contexts) * len(policies), 0
@@ -259,7 +273,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
         say(f"eager launches (no graph) at {names[contexts[0]]} {head}")
         try:
             eng = make_engine(rig, weights, table, FixedDepth(spec.headline_width - 1), False,
-                              spec, cap, pdl=spec.pdl == "on")
+                              spec, cap, pdl=spec.pdl == "on", tp=tp)
             eager = run_config(eng, dataclasses.replace(spec, rounds=min(spec.rounds, 12)),
                                contexts[0], False, bw)
             say(f"eager: {eager['round_s'] * 1e3:.2f} ms/round")
@@ -268,18 +282,23 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
             traceback.print_exc()
             eager = {"error": f"{type(e).__name__}: {e}"}
     peak = torch.cuda.max_memory_allocated() if rig.cuda else 0
+    for eng in engines.values():
+        eng.close()
     del engines, weights
     gc.collect()
     if rig.cuda:
         torch.cuda.empty_cache()
-    baseline = run_baseline(spec, cfg, table, contexts[0], say) if rig.cuda else None
+    tp_rec = tp.record(results) if tp is not None else None  # collective
+    lead = group is None or group.rank == 0
+    baseline = run_baseline(spec, cfg, table, contexts[0], say) if rig.cuda and lead else None
     record = {"spec": dataclasses.asdict(spec), "command": command, "bandwidth": bw,
               "rig": {"config": cfg.name, "device": rig.device, "ops": rig.ops},
               "routing": trace_stats, "configs": results, "eager": eager, "baseline": baseline,
               "peak_allocated_bytes": peak,
               "peak_allocated_bytes_with_baseline":
                   torch.cuda.max_memory_allocated() if rig.cuda else 0,
-              "wall_s": time.perf_counter() - say.t0}
-    path = write_record(record, out_dir)
-    say(f"wrote {path}")
+              "wall_s": time.perf_counter() - say.t0, "tp": tp_rec}
+    if lead:
+        path = write_record(record, out_dir)
+        say(f"wrote {path}")
     return record

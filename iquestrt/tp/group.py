@@ -15,8 +15,10 @@ lm_head (ModelConfig.per_rank(N).vocab rows each); V % N != 0 is refused.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
+import threading
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -246,6 +248,22 @@ def init_group(
     return group
 
 
-def close_group() -> None:
-    if dist.is_initialized():
+def close_group(timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Destroy the default process group, waiting at most timeout_s. NCCL's communicator
+    teardown waits until every CUDA graph that captured one of its collectives is freed (close
+    the engines first: Engine.close()); a teardown still running then is reported, not waited
+    for."""
+    if not dist.is_initialized():
+        return
+    gc.collect()  # graphs only referenced from collectable cycles
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, name="tp-close-group", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TPError(f"tp.group: destroy_process_group did not finish within {timeout_s:g} s; a "
+                      f"live CUDA graph that captured NCCL collectives holds the communicator "
+                      f"(call Engine.close() before close_group)")

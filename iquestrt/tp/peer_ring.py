@@ -39,10 +39,13 @@ from kernels.readiness import RingPolicy
 
 
 class PeerRing:
-    def __init__(self, views, rank: int, policy: RingPolicy | None = None, keep=None):
+    def __init__(self, views, rank: int, policy: RingPolicy | None = None, keep=None,
+                 emulated: int = 0):
         """views[p]: rank p's ring [B, S, R, H] fp32 as this rank addresses it (its own memory for
         p = rank, a peer mapping otherwise); keep: what must outlive the views (the symmetric
-        memory handle)."""
+        memory handle); emulated: ranks with no process (the rank benchmark's TP8 rank on fewer
+        GPUs) — each adds S zero partials in an allocation of its own after the real ranks',
+        finite (always ready) and adding nothing, so their read traffic is paid."""
         self.policy = policy or RingPolicy()
         if not self.policy.safe:
             raise ValueError(f"PeerRing: policy {self.policy} is unsafe; need lag >= 1, buffers "
@@ -59,9 +62,15 @@ class PeerRing:
                                  f"[{b}, S, R, H] like views[0] {tuple(views[0].shape)}")
             if v.dtype != torch.float32 or not v.is_contiguous():
                 raise ValueError(f"PeerRing: views[{p}] must be contiguous fp32, got {v.dtype}")
+        if not isinstance(emulated, int) or not 0 <= emulated <= 64:
+            raise ValueError(f"PeerRing: emulated ranks must be an int in [0, 64], got "
+                             f"{emulated!r}")
         self.views, self.rank, self.keep = views, rank, keep
-        self.slots = tuple(PeerPartials.of([v[s, i] for v in views for i in range(v.shape[1])])
-                           for s in range(b))
+        self.emulated = [torch.zeros(views[0].shape[1:], device=views[0].device)
+                         for _ in range(emulated)]  # E × [S, R, H], separate allocations
+        ghost = [e[i] for e in self.emulated for i in range(e.shape[0])]
+        self.slots = tuple(PeerPartials.of([v[s, i] for v in views for i in range(v.shape[1])]
+                                           + ghost) for s in range(b))
 
     def produce(self, step: int) -> torch.Tensor:  # [S, R, H] this rank's slot of step t
         return self.views[self.rank][self.policy.read_slot(step)]
@@ -89,7 +98,7 @@ def _ring_shape(group, backend: str, where: str, why: str, policy, parts: int, r
 
 
 def symmetric_ring(group, rows: int, hidden: int, parts: int = 1,
-                   policy: RingPolicy | None = None) -> PeerRing:
+                   policy: RingPolicy | None = None, emulated: int = 0) -> PeerRing:
     """A PeerRing in torch symmetric memory on `group` (an initialized NCCL TPGroup, one GPU per
     rank): collective — every rank calls it with the same shape. Armed and synchronized across
     ranks on return."""
@@ -109,11 +118,12 @@ def symmetric_ring(group, rows: int, hidden: int, parts: int = 1,
              for p in range(group.world)]
     torch.cuda.synchronize(group.device)
     dist.barrier()  # every rank armed before any producer of step 0 writes
-    return PeerRing(views, group.rank, policy, keep=handle)
+    return PeerRing(views, group.rank, policy, keep=handle, emulated=emulated)
 
 
 def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring",
-                     parts: int = 1, policy: RingPolicy | None = None) -> PeerRing:
+                     parts: int = 1, policy: RingPolicy | None = None,
+                     emulated: int = 0) -> PeerRing:
     """A PeerRing of CPU ranks (gloo, one host) in shared file mappings DIRECTORY/NAME-rank<q>.bin
     (a directory every rank sees; the files stay until the caller removes the directory).
     Collective; armed and synchronized across ranks on return."""
@@ -129,7 +139,7 @@ def shared_file_ring(group, rows: int, hidden: int, directory, name: str = "ring
     views = [own.view(shape) if p == group.rank else
              torch.from_file(str(f), shared=True, size=numel, dtype=torch.float32).view(shape)
              for p, f in enumerate(files)]
-    return PeerRing(views, group.rank, policy)
+    return PeerRing(views, group.rank, policy, emulated=emulated)
 
 
 class TPRings:
@@ -187,18 +197,19 @@ def ring_buffers(steps: int) -> int | None:
 
 
 def make_rings(group, rows: int, hidden: int, o_parts: int, max_polls: int, o_steps: int,
-               moe_steps: int, directory=None) -> TPRings:
+               moe_steps: int, directory=None, emulated: int = 0) -> TPRings:
     """Both rings of a TP target, sized by ring_buffers of their steps per forward (3 when
     there is no divisor: eager launches only): symmetric memory on CUDA ranks, shared files on
-    CPU ranks (in `directory`, or one rank 0 makes and removes at exit). Collective."""
+    CPU ranks (in `directory`, or one rank 0 makes and removes at exit); `emulated` ranks as in
+    PeerRing. Collective."""
     o_pol, moe_pol = (RingPolicy(buffers=ring_buffers(n) or 3) for n in (o_steps, moe_steps))
     if group.backend == "nccl":
-        o = symmetric_ring(group, rows, hidden, o_parts, o_pol)
-        moe = symmetric_ring(group, rows, hidden, 1, moe_pol)
+        o = symmetric_ring(group, rows, hidden, o_parts, o_pol, emulated)
+        moe = symmetric_ring(group, rows, hidden, 1, moe_pol, emulated)
         return TPRings(o, moe, max_polls)
     directory = directory or _shared_directory(group)
-    o = shared_file_ring(group, rows, hidden, directory, "o", o_parts, o_pol)
-    moe = shared_file_ring(group, rows, hidden, directory, "moe", 1, moe_pol)
+    o = shared_file_ring(group, rows, hidden, directory, "o", o_parts, o_pol, emulated)
+    moe = shared_file_ring(group, rows, hidden, directory, "moe", 1, moe_pol, emulated)
     return TPRings(o, moe, max_polls, directory)
 
 

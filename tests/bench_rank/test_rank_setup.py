@@ -58,7 +58,11 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--contexts", "1K", "2K"], "unknown ['2K']; choose from"),
     (["--baseline", "fast"], "--baseline: 'fast'; choose one of"),
     (["--rounds", "2"], "--rounds: 2 outside 4..4096"),
-    (["--reduce", "ring"], "--reduce: 'ring'; choose one of ['stacked', 'table']"),
+    (["--reduce", "tree"], "--reduce: 'tree'; choose one of ['stacked', 'table', 'ring']"),
+    (["--reduce", "ring"], "--reduce ring with --tp 1: 'ring' is the real ring of --tp N >= 2"),
+    (["--tp", "2", "--reduce", "table"], "--reduce table with --tp 2: 'ring' is the real ring"),
+    (["--tp", "9"], "--tp: 9; must be an integer in 1..8"),
+    (["--tp", "2"], "--tp 2: 1 processes (WORLD_SIZE); start it as torchrun --nproc-per-node 2"),
     (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['off', 'on', 'ab']"),
 ])
 def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, message):

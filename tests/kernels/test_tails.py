@@ -70,6 +70,7 @@ CASES = (
     # K = 3 (masked top-k lanes), R = 7
     Case("odd-7of7-N3-strided", 3, 7, 7, 200, 24, 3, strided=True),
     Case("medium-6of8-N4", 4, 8, 6, 1024, 64, 8),
+    Case("tp8-ring-6of8-N24", 24, 8, 6, 128, 16, 4),  # 8 ranks × 3 split-K partials
 )
 REAL = Case("real-8of8-N8", 8, 8, 8, 3072, 256, 8)
 
@@ -533,8 +534,8 @@ def test_wrapper_errors(device):
 
     with pytest.raises(ValueError, match=r"partials: expected 1\.\.8 rows"):
         call(d["partials"].repeat(1, 2, 1), *base[1:])
-    with pytest.raises(ValueError, match=r"partials: expected 1\.\.16 partials"):
-        call(d["partials"].repeat(9, 1, 1), *base[1:])
+    with pytest.raises(ValueError, match=r"partials: expected 1\.\.64 partials"):
+        call(d["partials"].repeat(33, 1, 1), *base[1:])
     with pytest.raises(ValueError, match="partials: expected dtype"):
         call(d["partials"].half(), *base[1:])
     with pytest.raises(ValueError, match=r"xn: expected shape \(8, 128\)"):

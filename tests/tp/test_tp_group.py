@@ -129,3 +129,22 @@ def test_missing_rank_fails_within_the_timeout(tmp_path):
     msg, took = torch.load(tmp_path / "gather.pt")
     assert msg is not None and "rank 0 of 2: the all-gather of candidate keys" in msg, msg
     assert "a peer rank did not reach it" in msg and took < BOUND_S + SLACK_S, (msg, took)
+
+
+def test_close_group_is_bounded(monkeypatch):
+    """A teardown that never returns (NCCL waiting for a live captured graph) fails with the
+    cause named after the timeout instead of hanging the process."""
+    import threading
+
+    from iquestrt.tp import group as tp_group
+
+    never = threading.Event()
+    monkeypatch.setattr(tp_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tp_group.dist, "destroy_process_group", never.wait)
+    with pytest.raises(TPError, match="did not finish within 0.5 s; a live CUDA graph"):
+        tp_group.close_group(0.5)
+    never.set()
+    finished = []
+    monkeypatch.setattr(tp_group.dist, "destroy_process_group", lambda: finished.append(1))
+    tp_group.close_group(5.0)
+    assert finished == [1]

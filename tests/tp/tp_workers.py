@@ -357,6 +357,27 @@ def graphs_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: flo
                                                  SamplingDefaults(1.0, 20, 0.95), 5 + i))
             out[graphs, i] = (res.tokens, [(r.accepted, [d.token for d in r.drafts])
                                            for r in res.rounds])
-        del eng
+        eng.close()
     torch.save(out, f"{out_dir}/rank{rank}.pt")
+    tp_group.close_group()
+
+
+def bench_round_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> None:
+    """`bench round --tp` at a small rank on gloo ranks (interpreted kernels, the ring in shared
+    files): one configuration; saves the record's TP part, configurations and tokens."""
+    _setup()
+    import torch
+
+    from benchmarks.rank.main import SweepSpec
+    from benchmarks.rank.shapes import small_rank_config
+    from benchmarks.rank.sweep import Rig, run_sweep
+    from iquestrt.tp import group as tp_group
+
+    g = tp_group.init_group(rank, world, master_addr="127.0.0.1", master_port=port,
+                            backend="gloo", timeout_s=timeout_s)
+    spec = SweepSpec(widths=(4,), adaptive=False, contexts=("1K",), rounds=4, reps=1,
+                     baseline="none", profile="none", eager=False, reduce="ring", tp=world)
+    rec = run_sweep(spec, os.path.join(out_dir, "rec"), "test",
+                    Rig(small_rank_config(), "cpu", "kernels", 4.24e12), g)
+    torch.save({"tp": rec["tp"], "configs": rec["configs"]}, f"{out_dir}/rank{rank}.pt")
     tp_group.close_group()
