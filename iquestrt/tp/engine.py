@@ -15,7 +15,9 @@ every forward — eager prefill chunk, capture, replay — starts at slot 0 and 
 slots are the ones the protocol expects. Capture's warm-up runs with 0 live rows (empty steps:
 no poll, no re-arm), so the rings are reset (armed, every rank, synchronized) at each request's
 start and, with graphs, again before its rounds. The device loop (a WHILE node around NCCL
-kernels) is refused. Run on CPUs (gloo, eager); graphs need the GPUs and were not run there yet.
+kernels) is refused. Graphs need GPUs: on two H200s graphed decodes equal eager ones with both
+reductions (tests/tp/test_tp_engine.py). Close the engine (Engine.close) before destroying the
+group: NCCL's communicator teardown waits for every graph that captured its collectives.
 """
 
 from __future__ import annotations
