@@ -28,10 +28,14 @@ DISTINCT = {1: 8, 4: 30, 6: 44, 8: 57}
 
 
 def candidates() -> list[MoeLaunch]:
+    """The session-9 neighbourhood of the pinned config: gate/up tile × K-split length × warps,
+    down tile × warps (stages as pinned; deeper pipelines lost in sessions 2 and 9)."""
     return [
         MoeLaunch(gate_up_block_n=gu, down_block_n=dn, combine_block_h=512, num_warps=4,
-                  gate_up_stages=st, down_stages=2)
-        for gu, dn, st in itertools.product((16, 32, 64), (32, 64, 128), (3, 6))
+                  gate_up_stages=3, down_stages=2, gate_up_k_blocks=kb, gate_up_warps=gw,
+                  down_warps=dw)
+        for gu, kb, gw, dn, dw in itertools.product((16, 32, 64), (24, 8, 6, 4), (2, 4),
+                                                    (64, 128), (2, 4))
     ]
 
 
@@ -61,7 +65,8 @@ def run(rows: int, reps: int, trials: int) -> list[dict]:
              "gate_up_us": gu, "down_combine_us": us - gu, "tbps": moved / us / 1e6,
              "vs_pinned": str(m)}
         rows_out.append(r)
-        print(f"R={rows} gu{cfg.gate_up_block_n:<3} st{cfg.gate_up_stages} dn{cfg.down_block_n:<4}"
+        print(f"R={rows} gu{cfg.gate_up_block_n:<3} kb{cfg.gate_up_k_blocks:<3} "
+              f"w{cfg.gate_up_warps} dn{cfg.down_block_n:<4} w{cfg.down_warps}"
               f" {us:7.2f} µs (gate/up {gu:6.2f}) {r['tbps']:5.2f} TB/s "
               f"{100 * r['tbps'] / 4.24:4.0f}%", flush=True)
     return rows_out

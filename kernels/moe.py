@@ -11,18 +11,24 @@ straddle the gate/up boundary (I = 192 per TP8 rank) and be partial (I = 64): ev
 looks up its own block row, n // 128.
 
 Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is read on the device):
-  1. act-quant x → E4M3 + scales per row per 128 columns           (kernels/fp8.py)
-  2. gate/up: grid (S, ⌈I/BN⌉). Program (s, t) leads slot s's expert e unless an earlier live
-     slot routes to e too, so each distinct expert is read once; it computes tile t of
-     SiLU(gate)·up for every live row routed to e and writes it, FP32, to each such slot.
-  3. act-quant of the FP32 intermediate per slot per 128 columns (same kernel as 1). The
-     128-column quantization groups span several gate/up tiles, so the amax is only known once
-     all tiles are written; quantizing here keeps the intermediate exact in FP32 in between.
+  1. act-quant x → E4M3 + scales per row per 128 columns           (kernels/fp8.py; in the
+     runtime the attention tail writes it, kernels/tails.py)
+  2. gate/up partials: grid (S, ⌈I/BN⌉, KS). Program (s, t, j) leads slot s's expert e unless an
+     earlier live slot routes to e too, so each distinct expert is read once; it computes tile
+     t of gate and of up over K split j (hidden blocks [j·KB, (j+1)·KB) of 128 columns) for
+     every live row routed to e and writes both, FP32, to part[j] of each such slot. The K
+     split gives KS × more programs, each streaming KS × fewer bytes: a program streaming a
+     whole BN-channel tile over H (2·32·3072 B) was latency-bound (H200, session 9: gate/up +
+     SiLU 26.4 → 17.7 µs at 6 rows with 35 distinct experts, 25.6 → 12.3 µs at 1 row).
+  3. SiLU: grid (S,): a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order (fixed: no
+     atomics, the same bits every call), then quantized per slot per 128 columns for down
+     (or stored FP32 by the stage-1 API). The 128-column groups span several channel tiles,
+     so the amax is only known once every tile is written: hence its own launch.
   4. down: grid (S, ⌈H/BN⌉), same expert dedup; writes each slot's FP32 expert output [H].
   5. combine: grid (R, ⌈H/BH⌉): out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding.
 The weight tile is the MMA's wide side (BN × 128) and the ≤ 16 rows its narrow side, so the
-programs stream weights while rows ride along; slots and tiles spread the work over all SMs.
-E4M3 tiles are widened to FP16 (exact) before tl.dot: Hopper's FP8 MMA accumulates with reduced
+programs stream weights while rows ride along; slots, tiles and splits spread the work over all
+SMs. E4M3 tiles are widened to FP16 (exact) before tl.dot: Hopper's FP8 MMA accumulates with reduced
 precision (≈14 bits, DeepSeek-V3 report §3.3.2; Triton's sm_90 default allows it for all of K),
 while FP16 MMA accumulates in FP32. The kernels are memory-bound, so the widening is free and the
 GEMMs stay at FP32 accuracy; each 128-wide K block is then scaled and added in FP32.
@@ -37,7 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
+from kernels.fp8 import (
+    E4M3,
+    bf16_rne,
+    check_quantized,
+    check_tensor,
+    live_count,
+    quantize_act,
+    quantize_groups,
+)
 from kernels.launch import launch_opts, pdl_enter
 from reference.params import FP8_BLOCK
 
@@ -49,27 +63,48 @@ class MoeLaunch:
     gate_up_block_n: int  # intermediate channels per gate/up program (each of gate and up)
     down_block_n: int  # hidden channels per down program
     combine_block_h: int  # hidden channels per combine program
-    num_warps: int = 4
-    gate_up_stages: int = 6  # deep pipeline: at 1 row only ~96 gate/up programs stream H
+    num_warps: int = 4  # SiLU and combine programs
+    gate_up_stages: int = 3
     down_stages: int = 2  # down's K loop is only ⌈I/128⌉ = 2 blocks long
+    gate_up_k_blocks: int = 1 << 30  # 128-column hidden blocks per gate/up K split
+    gate_up_warps: int = 4
+    down_warps: int = 4
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 16, got {v}")
+        for name in ("num_warps", "gate_up_warps", "down_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 1, got {v}")
+        if self.gate_up_k_blocks < 1:
+            raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
+                             f"{self.gate_up_k_blocks}")
+
+    def k_splits(self, hidden: int) -> int:
+        """KS: gate/up partials per slot (hidden blocks of 128 columns, gate_up_k_blocks each)."""
+        return -(-_blocks(hidden) // min(self.gate_up_k_blocks, _blocks(hidden)))
 
 
 def moe_launch(hidden: int, inter: int) -> MoeLaunch:
-    """Pinned: a pure function of the shape, no autotuning. Chosen on the H200 by
-    benchmarks/sweep_moe.py (reports/benchmarks/h200-2026-11-29/sweep_moe.log): per TP8 rank
-    (H 3072, I 192) 32-channel gate/up tiles with a 3-stage pipeline and 128-channel down tiles
-    were fastest at 1 and 6 rows (38.0 / 50.8 µs vs 40.5 / 58.6 µs for 16 / 6 / 64)."""
+    """Pinned: a pure function of the shape, no autotuning. Chosen on the H200 (session 9,
+    reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
+    streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
+    split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
+    21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
+    µs for session 2's pinned 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
+    40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
     return MoeLaunch(
         gate_up_block_n=32,
-        down_block_n=128,
+        down_block_n=64,
         combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
         gate_up_stages=3,
+        down_stages=2,
+        gate_up_k_blocks=6,
+        gate_up_warps=2,
+        down_warps=2,
     )
 
 
@@ -99,12 +134,12 @@ def _expert_rows(ids_ptr, n_live, stride_ir, stride_ik,
 
 @triton.jit
 def _moe_gate_up_kernel(
-    xq_ptr, xs_ptr, ids_ptr, n_live_ptr, fc_ptr, fcs_ptr, a_ptr,
+    xq_ptr, xs_ptr, ids_ptr, n_live_ptr, fc_ptr, fcs_ptr, p_ptr,
     R, H: tl.constexpr, I: tl.constexpr,
     stride_xqr, stride_xsr, stride_ir, stride_ik,
-    stride_fe, stride_fn, stride_fk, stride_se, stride_sn, stride_sk, stride_ar,
+    stride_fe, stride_fn, stride_fk, stride_se, stride_sn, stride_sk, stride_pj, stride_ps,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
@@ -115,31 +150,67 @@ def _moe_gate_up_kernel(
     uses = tl.max(hit.to(tl.int32), axis=1) > 0  # [BR] rows routed to e
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
     cm = c < I
+    j = tl.program_id(2)  # K split: hidden blocks [j·K_BLOCKS, (j+1)·K_BLOCKS)
     w_e = fc_ptr + e.to(tl.int64) * stride_fe
     s_e = fcs_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, H, 128):
+    for b in range(0, K_BLOCKS):
+        k0 = (j * K_BLOCKS + b) * 128
         hc = k0 + tl.arange(0, 128)  # [128] hidden columns of this scale block
         km = hc < H
+        bm = k0 < H  # the last split may be short
         xq = tl.load(xq_ptr + rows[None, :] * stride_xqr + hc[:, None],
                      mask=km[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
-        xs = tl.load(xs_ptr + rows * stride_xsr + k0 // 128, mask=uses, other=0.0)  # [BR]
+        xs = tl.load(xs_ptr + rows * stride_xsr + k0 // 128, mask=uses & bm, other=0.0)  # [BR]
         wm = cm[:, None] & km[None, :]
         wg = tl.load(w_e + c[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm, other=0.0)
         wu = tl.load(w_e + (I + c)[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm,
                      other=0.0)  # [BN, 128] E4M3
-        sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm, other=0.0)
-        su = tl.load(s_e + ((I + c) // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm,
+        sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm & bm,
+                     other=0.0)
+        su = tl.load(s_e + ((I + c) // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm & bm,
                      other=0.0)  # [BN]
         xh = xq.to(tl.float16)
         acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
         acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
-    a = tl.div_rn(acc_g, 1.0 + tl.exp(-acc_g)) * acc_u  # [BN, BR] SiLU(gate)·up, FP32
-    # every slot (r, k) routed to e gets the row's tile: [BN, BR, K_PAD]
+    # every slot (r, k) routed to e gets the row's partials: part[j, slot, c] gate, [.., I + c] up
     slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
-    tl.store(a_ptr + slot[None, :, :] * stride_ar + c[:, None, None], a[:, :, None],
-             mask=cm[:, None, None] & hit[None, :, :])
+    dst = p_ptr + j * stride_pj + slot[None, :, :] * stride_ps + c[:, None, None]  # [BN, BR, KP]
+    sm = cm[:, None, None] & hit[None, :, :]
+    tl.store(dst, acc_g[:, :, None], mask=sm)
+    tl.store(dst + I, acc_u[:, :, None], mask=sm)
+
+
+@triton.jit
+def _moe_silu_kernel(
+    p_ptr, n_live_ptr, a_ptr, aq_ptr, as_ptr, R,
+    stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+    I: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Slot s = program_id(0): a = SiLU(Σ_j gate_j)·(Σ_j up_j) over the KS partials in j order;
+    QUANT: a quantized per 128 columns (quantize_act's operations) → aq, as; else a, FP32."""
+    pdl_enter(PDL)
+    s = tl.program_id(0)
+    if s >= tl.minimum(tl.load(n_live_ptr), R) * K:
+        return
+    grp = tl.arange(0, GROUPS)
+    col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
+    m = col < I
+    g = tl.zeros((GROUPS, 128), tl.float32)
+    u = tl.zeros((GROUPS, 128), tl.float32)
+    for j in tl.static_range(KS):
+        src = p_ptr + j * stride_pj + s * stride_ps + col
+        g += tl.load(src, mask=m, other=0.0)
+        u += tl.load(src + I, mask=m, other=0.0)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    if QUANT:
+        q, sc = quantize_groups(a)
+        tl.store(aq_ptr + s * stride_aqr + col, q, mask=m)
+        tl.store(as_ptr + s * stride_asr + grp, sc, mask=grp * 128 < I)
+    else:
+        tl.store(a_ptr + s * stride_ar + col, a, mask=m)
 
 
 @triton.jit
@@ -237,6 +308,70 @@ def _check_rows(r: int) -> None:
         raise ValueError(f"row buffer: expected 1..{BLOCK_R} rows, got {r}")
 
 
+@dataclass(frozen=True)
+class _GateUp:
+    """A validated gate/up call: operand, routing and launch, shared by the stage-1 API and
+    moe_fp8."""
+
+    xq: torch.Tensor  # [R, H] E4M3
+    xs: torch.Tensor  # [R, ⌈H/128⌉] fp32
+    ids: torch.Tensor  # [R, K]
+    fc: torch.Tensor
+    fc_scale_inv: torch.Tensor
+    n: torch.Tensor  # [1] int32 live rows
+    rows: int
+    hidden: int
+    inter: int
+    k: int
+    cfg: MoeLaunch
+    pdl: bool
+
+
+def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl) -> _GateUp:
+    check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
+    r, hidden = x.shape
+    _check_rows(r)
+    dev = x.device
+    k = _check_routing(r, ids, dev)
+    _check_experts("fc", fc, fc_scale_inv, None, hidden, dev)
+    if fc.shape[1] % 2:
+        raise ValueError(f"fc: dim 1 must be 2·I (gate rows then up rows), got {fc.shape[1]}")
+    inter = fc.shape[1] // 2
+    n = live_count(n_live, r, dev)
+    cfg = config or moe_launch(hidden, inter)
+    if quantized is None:
+        xq, xs = quantize_act(x, n, pdl=pdl)
+    else:
+        xq, xs = check_quantized("quantized", quantized, r, hidden, dev)
+    return _GateUp(xq, xs, ids, fc, fc_scale_inv, n, r, hidden, inter, k, cfg, pdl)
+
+
+def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
+    """Launches 2 and 3: the K-split partials, then SiLU(gate)·up per live slot into a (FP32)
+    or, quantized, into (aq, sa)."""
+    cfg, r, k, inter = g.cfg, g.rows, g.k, g.inter
+    ks = cfg.k_splits(g.hidden)
+    part = torch.empty(ks, r * k, 2 * inter, dtype=torch.float32, device=g.xq.device)
+    _moe_gate_up_kernel[(r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)](
+        g.xq, g.xs, g.ids, g.n, g.fc, g.fc_scale_inv, part, r, g.hidden, inter,
+        g.xq.stride(0), g.xs.stride(0), g.ids.stride(0), g.ids.stride(1),
+        *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1),
+        K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
+        BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
+        K_BLOCKS=min(cfg.gate_up_k_blocks, _blocks(g.hidden)),
+        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
+    )
+    quant = a is None
+    dummy = part
+    _moe_silu_kernel[(r * k,)](
+        part, g.n, dummy if quant else a, aq if quant else dummy, sa if quant else dummy, r,
+        part.stride(0), part.stride(1), 0 if quant else a.stride(0),
+        aq.stride(0) if quant else 0, sa.stride(0) if quant else 0,
+        I=inter, K=k, KS=ks, GROUPS=triton.next_power_of_2(_blocks(inter)), QUANT=quant,
+        num_warps=cfg.num_warps, **launch_opts(g.pdl),
+    )
+
+
 def moe_gate_up_fp8(
     x: torch.Tensor,  # [R, H] bf16 / fp16 / fp32 (padding rows may hold anything)
     ids: torch.Tensor,  # [R, K] int32 / int64, distinct within a row, in [0, E)
@@ -253,35 +388,70 @@ def moe_gate_up_fp8(
     (xq [R, H] E4M3, xs [R, ⌈H/128⌉] fp32), unit column strides, equal to quantize_act(x) on the
     live rows (kernels/tails.py attn_tail made it): no quantization launch.
     pdl: programmatic dependent launch (kernels/launch.py)."""
-    check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
-    r, hidden = x.shape
-    _check_rows(r)
+    g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl)
     dev = x.device
-    k = _check_routing(r, ids, dev)
-    _check_experts("fc", fc, fc_scale_inv, None, hidden, dev)
-    if fc.shape[1] % 2:
-        raise ValueError(f"fc: dim 1 must be 2·I (gate rows then up rows), got {fc.shape[1]}")
-    inter = fc.shape[1] // 2
-    n = live_count(n_live, r, dev)
     if out is None:
-        out = torch.empty(r * k, inter, dtype=torch.float32, device=dev)
-    check_tensor("out", out, shape=(r * k, inter), dtypes=(torch.float32,), device=dev)
+        out = torch.empty(g.rows * g.k, g.inter, dtype=torch.float32, device=dev)
+    check_tensor("out", out, shape=(g.rows * g.k, g.inter), dtypes=(torch.float32,), device=dev)
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
-    cfg = config or moe_launch(hidden, inter)
-    if quantized is None:
-        xq, xs = quantize_act(x, n, pdl=pdl)
-    else:
-        xq, xs = check_quantized("quantized", quantized, r, hidden, dev)
-    grid = (r * k, triton.cdiv(inter, cfg.gate_up_block_n))
-    _moe_gate_up_kernel[grid](
-        xq, xs, ids, n, fc, fc_scale_inv, out, r, hidden, inter,
-        xq.stride(0), xs.stride(0), ids.stride(0), ids.stride(1),
-        *fc.stride(), *fc_scale_inv.stride(), out.stride(0),
+    _gate_up_silu(g, a=out)
+    return out
+
+
+@dataclass(frozen=True)
+class _Down:
+    """A validated down + combine call."""
+
+    weights: torch.Tensor  # [R, K] fp32
+    ids: torch.Tensor
+    proj: torch.Tensor
+    proj_scale_inv: torch.Tensor
+    n: torch.Tensor
+    out: torch.Tensor  # [R, H] bf16 | fp32
+    cfg: MoeLaunch
+    pdl: bool
+
+
+def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype, config,
+               pdl) -> _Down:
+    dev = weights.device
+    check_tensor("weights", weights, dims=2, dtypes=(torch.float32,), device=dev)
+    r = weights.shape[0]
+    _check_rows(r)
+    _check_routing(r, ids, dev, weights)
+    _check_experts("proj", proj, proj_scale_inv, None, inter, dev)
+    hidden = proj.shape[1]
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
+    n = live_count(n_live, r, dev)
+    if out is None:
+        out = torch.empty(r, hidden, dtype=out_dtype, device=dev)
+    check_tensor("out", out, shape=(r, hidden), dtypes=(out_dtype,), device=dev)
+    if out.stride(1) != 1:
+        raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
+    return _Down(weights, ids, proj, proj_scale_inv, n, out, config or moe_launch(hidden, inter),
+                 pdl)
+
+
+def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor) -> torch.Tensor:
+    """Launches 4 and 5 on the quantized intermediate aq [S, I] E4M3, sa [S, ⌈I/128⌉]."""
+    r, k = d.weights.shape
+    hidden, inter = d.proj.shape[1], d.proj.shape[2]
+    cfg, out = d.cfg, d.out
+    y = torch.empty(r * k, hidden, dtype=torch.float32, device=out.device)  # [S, H] per slot
+    _moe_down_kernel[(r * k, triton.cdiv(hidden, cfg.down_block_n))](
+        aq, sa, d.ids, d.n, d.proj, d.proj_scale_inv, y, r, hidden, inter,
+        aq.stride(0), sa.stride(0), d.ids.stride(0), d.ids.stride(1),
+        *d.proj.stride(), *d.proj_scale_inv.stride(), y.stride(0),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
-        BLOCK_N=cfg.gate_up_block_n,
-        BLOCK_R=BLOCK_R, num_warps=cfg.num_warps, num_stages=cfg.gate_up_stages,
-        **launch_opts(pdl),
+        BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
+    )
+    _moe_combine_kernel[(r, triton.cdiv(hidden, cfg.combine_block_h))](
+        y, d.weights, d.n, out, hidden, y.stride(0), d.weights.stride(0), d.weights.stride(1),
+        out.stride(0), K=k, BLOCK_H=cfg.combine_block_h, OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, **launch_opts(d.pdl),
     )
     return out
 
@@ -302,42 +472,14 @@ def moe_down_fp8(
     """Stage 2: requantize a per slot per 128 columns, down GEMM, k-ordered weighted sum → [R, H]
     (bf16 by default, or fp32); rows ≥ n untouched.
     pdl: programmatic dependent launch (kernels/launch.py)."""
-    dev = weights.device
-    check_tensor("weights", weights, dims=2, dtypes=(torch.float32,), device=dev)
-    r = weights.shape[0]
-    _check_rows(r)
-    k = _check_routing(r, ids, dev, weights)
-    check_tensor("a", a, dims=2, dtypes=(torch.float32,), device=dev)
-    _check_experts("proj", proj, proj_scale_inv, None, a.shape[1], dev)
+    check_tensor("a", a, dims=2, dtypes=(torch.float32,), device=weights.device)
+    d = _down_call(weights, ids, proj, proj_scale_inv, n_live, a.shape[1], out, out_dtype,
+                   config, pdl)
+    r, k = weights.shape
     if a.shape[0] != r * k:
         raise ValueError(f"a: expected {r * k} slot rows (R·K), got shape {tuple(a.shape)}")
-    hidden, inter = proj.shape[1], proj.shape[2]
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"out_dtype: expected torch.bfloat16 or torch.float32, got {out_dtype}")
-    n = live_count(n_live, r, dev)
-    if out is None:
-        out = torch.empty(r, hidden, dtype=out_dtype, device=dev)
-    check_tensor("out", out, shape=(r, hidden), dtypes=(out_dtype,), device=dev)
-    if out.stride(1) != 1:
-        raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
-    cfg = config or moe_launch(hidden, inter)
-    aq, sa = quantize_act(a, n, rows_per_live=k, pdl=pdl)
-    y = torch.empty(r * k, hidden, dtype=torch.float32, device=dev)  # [S, H] per-slot outputs
-    s_pad = max(16, triton.next_power_of_2(r * k))
-    _moe_down_kernel[(r * k, triton.cdiv(hidden, cfg.down_block_n))](
-        aq, sa, ids, n, proj, proj_scale_inv, y, r, hidden, inter,
-        aq.stride(0), sa.stride(0), ids.stride(0), ids.stride(1),
-        *proj.stride(), *proj_scale_inv.stride(), y.stride(0),
-        K=k, K_PAD=triton.next_power_of_2(k), S_PAD=s_pad, BLOCK_N=cfg.down_block_n,
-        BLOCK_R=BLOCK_R,
-        num_warps=cfg.num_warps, num_stages=cfg.down_stages, **launch_opts(pdl),
-    )
-    _moe_combine_kernel[(r, triton.cdiv(hidden, cfg.combine_block_h))](
-        y, weights, n, out, hidden, y.stride(0), weights.stride(0), weights.stride(1),
-        out.stride(0), K=k, BLOCK_H=cfg.combine_block_h, OUT_BF16=out_dtype == torch.bfloat16,
-        num_warps=cfg.num_warps, **launch_opts(pdl),
-    )
-    return out
+    aq, sa = quantize_act(a, d.n, rows_per_live=k, pdl=pdl)
+    return _down_combine(d, aq, sa)
 
 
 def moe_fp8(
@@ -358,6 +500,8 @@ def moe_fp8(
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
 
+    Bit for bit moe_down_fp8(moe_gate_up_fp8(x, …), …): the SiLU launch quantizes the FP32
+    intermediate it computed with quantize_act's operations instead of storing it.
     n_live is never read on the host, so the call is CUDA-graph capturable for a fixed R. Rows ≥ n
     of x, weights, ids are never read and of out never written. ids must be valid expert indices
     (checked by the router, not here: checking device values would need a host sync).
@@ -366,8 +510,10 @@ def moe_fp8(
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if proj.dim() == 3 and proj.shape[1] != x.shape[1]:
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
-    n = live_count(n_live, x.shape[0], x.device)
-    a = moe_gate_up_fp8(x, ids, fc, fc_scale_inv, n, config=config, quantized=quantized,
-                        pdl=pdl)
-    return moe_down_fp8(a, weights, ids, proj, proj_scale_inv, n, out=out, out_dtype=out_dtype,
-                        config=config, pdl=pdl)
+    g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl)
+    d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl)
+    s = g.rows * g.k
+    aq = torch.empty(s, g.inter, dtype=E4M3, device=x.device)
+    sa = torch.empty(s, _blocks(g.inter), dtype=torch.float32, device=x.device)
+    _gate_up_silu(g, aq=aq, sa=sa)
+    return _down_combine(d, aq, sa)

@@ -311,7 +311,8 @@ _ROWS: tuple[Tolerance, ...] = (
         1e-5,
         1e-6,
         "stage 1 (SiLU(gate)·up per slot) vs moe_gate_up_fp8_ref: FP32 accumulation order over "
-        "H ≤ 3072 (24 scale blocks) plus ulp-level exp in SiLU, ~1e-7 measured; 1e-5 stays 100× "
+        "H ≤ 3072 (24 scale blocks, summed in K-split partials of 6 blocks added in order) plus "
+        "ulp-level exp in SiLU, ~1e-7 measured; 1e-5 stays 100× "
         "below a BF16 round trip of the intermediate (2^-9)",
         "intermediate stored as BF16; gate/up halves swapped; one expert's scale block shifted by "
         "one — tests/kernels/test_moe.py::test_broken_variants_exceed_their_rows",
