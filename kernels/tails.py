@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_stored_groups
+from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_row
 from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
@@ -101,8 +101,7 @@ def _attn_row_program(
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
-        quantize_stored_groups(f_ptr, q_ptr, s_ptr, row, live, 0, HIDDEN, stride_fr, stride_qr,
-                               stride_sr, GROUPS)
+        quantize_row(f, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
 
 
 @triton.jit
@@ -169,8 +168,7 @@ def _moe_tail_kernel(
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
     if QUANT:  # the next layer's QKV operand
-        quantize_stored_groups(xn_ptr, q_ptr, s_ptr, row, live, 0, HIDDEN, stride_xnr,
-                               stride_qr, stride_sr, GROUPS)
+        quantize_row(xn, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
 
 
 # --- launch configuration (pinned; no autotuning) ----------------------------------------------
@@ -197,6 +195,12 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
 
 def _pow2(x: int) -> int:
     return triton.next_power_of_2(x)
+
+
+def _block_h(hidden: int) -> int:
+    """A row program's columns: whole 128-column groups, so the row it holds in registers
+    reshapes to [groups, 128] for the quantization (kernels.fp8.quantize_row)."""
+    return 128 * _pow2(-(-hidden // 128))
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -357,7 +361,7 @@ def attn_tail(
         out.f_in.stride(0), stride_an, stride_ar,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
         rows, eps, attn_out_scale, max_polls, router_max_polls,
-        HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
+        HIDDEN=hidden, BLOCK_H=_block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
@@ -413,7 +417,7 @@ def moe_tail(
         p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
         stride_an, stride_ar, q.stride(0), s.stride(0),
         eps, ffn_out_scale, max_polls,
-        HIDDEN=hidden, BLOCK_H=_pow2(hidden), NPART=npart, REARM=rearm is not None,
+        HIDDEN=hidden, BLOCK_H=_block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
         GROUPS=_pow2(-(-hidden // 128)), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
         REARM_PARTS=re_parts, num_warps=cfg.num_warps,

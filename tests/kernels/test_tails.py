@@ -681,8 +681,7 @@ def test_compiled_kernels_build_for_sm90():
     assert (stats["attn_routerTrue_unrolled"]["ld.volatile.global"]
             > stats["attn_routerTrue"]["ld.volatile.global"])
     assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
-    # the quantizing MoE tail reads xn' back only after a barrier (and divides more: the scales)
-    assert stats["moe_quant"]["bar.sync"] > stats["moe"]["bar.sync"]
+    # the quantizing MoE tail divides more: each group's scale and each value by it (IEEE)
     assert stats["moe_quant"]["div.rn.f32"] > stats["moe"]["div.rn.f32"]
 
 
