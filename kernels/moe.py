@@ -88,14 +88,26 @@ class MoeLaunch:
         return -(-_blocks(hidden) // min(self.gate_up_k_blocks, _blocks(hidden)))
 
 
-def moe_launch(hidden: int, inter: int) -> MoeLaunch:
-    """Pinned: a pure function of the shape, no autotuning. Chosen on the H200 (session 9,
+def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
+    """Pinned: a pure function of the shape and the device type, no autotuning.
+    device_type "cpu" (the Triton interpreter, which runs programs one after another at a cost
+    per program): one channel tile per slot in both GEMMs and no K split — the fewest programs.
+    Channel tiles change no accumulation order (each output element sums over K the same way),
+    so only the split changes bits, within the tolerance rows; CPU tests still cover tiles and
+    splits through explicit configs.
+    device_type "cuda": chosen on the H200 (session 9,
     reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
     streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
     split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
     21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
     µs for session 2's pinned 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
     40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
+    if device_type == "cpu":
+        return MoeLaunch(
+            gate_up_block_n=max(16, triton.next_power_of_2(inter)),
+            down_block_n=max(16, min(1024, triton.next_power_of_2(hidden))),
+            combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
+        )
     return MoeLaunch(
         gate_up_block_n=32,
         down_block_n=64,
@@ -112,24 +124,29 @@ def moe_launch(hidden: int, inter: int) -> MoeLaunch:
 
 
 @triton.jit
-def _expert_rows(ids_ptr, n_live, stride_ir, stride_ik,
-                 K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-                 BLOCK_R: tl.constexpr):
-    """For slot s = program_id(0): its expert e; lead = s is live and no earlier slot routes to e
-    (earlier slots of live rows are live); hit [BR, K_PAD] = live row r's k-th slot routes to e."""
+def _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K: tl.constexpr, S_PAD: tl.constexpr):
+    """For slot s = program_id(0): its expert e, and lead = s is live and no earlier slot routes
+    to e (earlier slots of live rows are live). Only leads go on to `_expert_hits`: the other
+    programs exit after these two loads."""
     s = tl.program_id(0)
     live = s // K < n_live
     e = tl.load(ids_ptr + (s // K) * stride_ir + (s % K) * stride_ik, mask=live, other=-1)
     prev = tl.arange(0, S_PAD)
-    pe = tl.load(ids_ptr + (prev // K) * stride_ir + (prev % K) * stride_ik, mask=prev < s,
-                 other=-1)
-    lead = live & (tl.sum((pe == e).to(tl.int32), axis=0) == 0)
+    pe = tl.load(ids_ptr + (prev // K) * stride_ir + (prev % K) * stride_ik,
+                 mask=(prev < s) & live, other=-1)
+    return e, live & (tl.sum((pe == e).to(tl.int32), axis=0) == 0)
+
+
+@triton.jit
+def _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik,
+                 K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """hit [BR, K_PAD]: live row r's k-th slot routes to expert e."""
     rows = tl.arange(0, BLOCK_R)
     ks = tl.arange(0, K_PAD)
     valid = (rows[:, None] < n_live) & (ks[None, :] < K)  # [BR, K_PAD]
     rid = tl.load(ids_ptr + rows[:, None] * stride_ir + ks[None, :] * stride_ik, mask=valid,
                   other=-1)
-    return e, lead, (rid == e) & valid
+    return (rid == e) & valid
 
 
 @triton.jit
@@ -143,9 +160,10 @@ def _moe_gate_up_kernel(
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
-    e, lead, hit = _expert_rows(ids_ptr, n_live, stride_ir, stride_ik, K, K_PAD, S_PAD, BLOCK_R)
+    e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
     if lead == 0:
         return
+    hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     uses = tl.max(hit.to(tl.int32), axis=1) > 0  # [BR] rows routed to e
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
@@ -224,9 +242,10 @@ def _moe_down_kernel(
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
-    e, lead, hit = _expert_rows(ids_ptr, n_live, stride_ir, stride_ik, K, K_PAD, S_PAD, BLOCK_R)
+    e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
     if lead == 0:
         return
+    hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
     # one slot of row r routed to e (all of them hold the same intermediate), −1 if none
@@ -338,7 +357,7 @@ def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl) -> _
         raise ValueError(f"fc: dim 1 must be 2·I (gate rows then up rows), got {fc.shape[1]}")
     inter = fc.shape[1] // 2
     n = live_count(n_live, r, dev)
-    cfg = config or moe_launch(hidden, inter)
+    cfg = config or moe_launch(hidden, inter, dev.type)
     if quantized is None:
         xq, xs = quantize_act(x, n, pdl=pdl)
     else:
@@ -430,8 +449,8 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
     check_tensor("out", out, shape=(r, hidden), dtypes=(out_dtype,), device=dev)
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
-    return _Down(weights, ids, proj, proj_scale_inv, n, out, config or moe_launch(hidden, inter),
-                 pdl)
+    return _Down(weights, ids, proj, proj_scale_inv, n, out,
+                 config or moe_launch(hidden, inter, dev.type), pdl)
 
 
 def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor) -> torch.Tensor:

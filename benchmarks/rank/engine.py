@@ -34,6 +34,7 @@ from iquestrt.engine import Engine, Session
 from iquestrt.round import RoundProgram
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.peer_ring import TPRings
+from iquestrt.tp.ring_resets import RingResets
 from iquestrt.weights import Weights
 from reference.config import SamplingDefaults
 from reference.kv_layout import LayerKV
@@ -74,7 +75,7 @@ class Timing:
         return self.loop_s / max(self.rounds, 1)
 
 
-class RankEngine(Engine):
+class RankEngine(RingResets, Engine):
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, table: torch.Tensor | None,
                  seed: int = 0, peers: int = PEERS, reduce: str = "stacked",
                  rings: TPRings | None = None, group: TPGroup | None = None):
@@ -126,24 +127,16 @@ class RankEngine(Engine):
             st.caches.draft_next = n  # draft rows 1 … n−1 settled: the draft loop below is empty
         return super()._finish_prefill(st, last_logits, hidden)
 
-    # --- the TP rings (as iquestrt.tp.engine.TPEngine resets them) ------------------------------
-    def generate(self, req, on_round=None, on_tokens=None):
-        """Collective with rings: the previous request may have ended in empty steps."""
-        self._reset_rings()
-        return super().generate(req, on_round, on_tokens)
-
-    def _reset_rings(self) -> None:
-        if self.rings is not None:
-            self.rings.reset(self.group)
+    # --- the TP rings (iquestrt/tp/ring_resets.py re-arms them) ------------------------------
+    def ring_set(self):
+        return self.rings, self.group
 
     # --- clock --------------------------------------------------------------------------------
     def _cuda(self) -> bool:
         return self.w.device.type == "cuda"
 
     def _prepare(self, st: Session, hidden: torch.Tensor):
-        launcher = super()._prepare(st, hidden)
-        if self.rcfg.graphs:  # capture's warm-up ran empty steps
-            self._reset_rings()
+        launcher = super()._prepare(st, hidden)  # RingResets re-arms after a capture
         if self._cuda() and getattr(launcher, "one_round", None) is not None:
             # a launcher reused by a later request keeps its first, unwrapped round
             inner = launcher.__dict__.setdefault("unwrapped_round", launcher.one_round)

@@ -123,18 +123,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
     tp = getattr(a, "tp", 1)
     reduce = getattr(a, "reduce", None) or ("ring" if tp != 1 else "stacked")
-    a = argparse.Namespace(**{**vars(a), "tp": tp, "reduce": reduce})
+    common = dict(routing=a.routing, mapping=a.mapping, loop=a.loop, seed=a.seed, reduce=reduce,
+                  pdl=a.pdl, tp=tp)
     if a.quick:
         return SweepSpec(widths=(6,), adaptive=False, contexts=("1K",), rounds=16, reps=1,
                          baseline="eager" if a.baseline == "all" else a.baseline,
-                         baseline_rounds=3, routing=a.routing, mapping=a.mapping,
-                         profile="key" if a.profile != "none" else "none", eager=False,
-                         loop=a.loop, seed=a.seed, reduce=a.reduce, pdl=a.pdl, tp=a.tp)
+                         baseline_rounds=3, profile="key" if a.profile != "none" else "none",
+                         eager=False, **common)
     return SweepSpec(widths=tuple(a.widths), adaptive=not a.no_adaptive,
                      contexts=tuple(a.contexts), rounds=a.rounds, reps=a.reps,
-                     baseline=a.baseline, baseline_rounds=a.baseline_rounds, routing=a.routing,
-                     mapping=a.mapping, profile=a.profile, eager=not a.no_eager, loop=a.loop,
-                     seed=a.seed, reduce=a.reduce, pdl=a.pdl, tp=a.tp)
+                     baseline=a.baseline, baseline_rounds=a.baseline_rounds, profile=a.profile,
+                     eager=not a.no_eager, **common)
 
 
 def run_from_args(a: argparse.Namespace, prog: str = "python -m benchmarks.rank") -> int:

@@ -32,6 +32,7 @@ from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.model import TPTargetModel, reduction_steps
 from iquestrt.tp.peer_ring import make_rings, ring_buffers
+from iquestrt.tp.ring_resets import RingResets
 from iquestrt.tp.sampling import ShardedSampler, make_sharded_sampler
 from iquestrt.tp.shard import shard_weights
 from iquestrt.weights import Weights
@@ -56,7 +57,7 @@ class TPOps:
         return self.sampler.sample(logits.contiguous(), params, seed, positions, purpose, live)
 
 
-class TPEngine(Engine):
+class TPEngine(RingResets, Engine):
     TENSOR_PARALLEL = True
 
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, group: TPGroup):
@@ -90,21 +91,8 @@ class TPEngine(Engine):
         # the draft is whole on every rank: it reads the full model's head counts
         self.draft = DraftModel(dataclasses.replace(rank_w, cfg=full), self.ops, rcfg.max_width)
 
-    def generate(self, req, on_round=None, on_tokens=None):
-        """As Engine.generate; collective (every rank runs the same request). The rings are
-        reset first: the previous request may have ended in rounds with 0 live rows."""
-        self._reset_rings()
-        return super().generate(req, on_round, on_tokens)
-
-    def _prepare(self, st, hidden):
-        launcher = super()._prepare(st, hidden)
-        if self.rcfg.graphs:  # a capture's warm-up ran empty steps; eager prefill ran none
-            self._reset_rings()
-        return launcher
-
-    def _reset_rings(self) -> None:
-        if self.target.rings is not None:
-            self.target.rings.reset(self.group)
+    def ring_set(self):
+        return self.target.rings, self.group
 
     def _new_caches(self, capacity: int) -> RuntimeCaches:
         return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device,

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kernels.fp8 import E4M3
-from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8
+from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8, moe_launch
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.fp8_ops import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
@@ -222,8 +222,11 @@ CASES = (
     Case("split3-7of8", 640, 16, 4, 64, 8, 7, config=MoeLaunch(32, 64, 128, gate_up_k_blocks=2,
                                                               gate_up_warps=2, down_warps=2)),
     # the per-rank structure at small H: top-8, I = 192 (gate/up scale block 1 holds gate rows
-    # 128–191 and up rows 0–63; down's second K block is partial), default launch config
+    # 128–191 and up rows 0–63; down's second K block is partial), the default (CPU) launch
     Case("rank-like-6of8", 256, 24, 8, 192, 8, 6),
+    # the H200's pinned launch (moe_launch(..., "cuda")) on the CPU: 32-channel tiles, K splits
+    # of 6 blocks (7 blocks here: a full split and a short one), 64-channel down tiles
+    Case("h200-launch-3of4", 896, 12, 4, 192, 4, 3, config=moe_launch(3072, 192, "cuda")),
 )
 
 
