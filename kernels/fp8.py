@@ -72,15 +72,17 @@ def quantize_groups(x):
 
 @triton.jit
 def quantize_row(x, q_ptr, s_ptr, row, live, cols, stride_qr, stride_sr, GROUPS: tl.constexpr):
-    """quantize_act of one row held in registers: x fp32 [GROUPS·128] (columns ≥ `cols` hold 0)
-    → q [cols] E4M3 and scales [⌈cols/128⌉] stored at `row`. The values quantized are exactly
-    those the caller stored (it passes the rounded row), so no store → barrier → reload
+    """quantize_act of one row held in registers: x fp32 [GROUPS·128] → q [cols] E4M3 and
+    scales [⌈cols/128⌉] stored at `row`. The values quantized are exactly those the caller
+    stored (it passes the rounded row), so no store → barrier → reload
     (quantize_stored_groups): the MoE tail's quantization took 3.6 µs that way on the H200 at
     6 rows (session 9, reports/benchmarks/h200-2026-12-01/session9/exp_quant_call9.log)."""
     grp = tl.arange(0, GROUPS)
     col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-    q, s = quantize_groups(tl.reshape(x, [GROUPS, 128]))
-    tl.store(q_ptr + row * stride_qr + col, q, mask=(col < cols) & live)
+    # columns ≥ cols and padding rows as 0 (never stored; a padding row holds NaN: no evidence)
+    qm = (col < cols) & live
+    q, s = quantize_groups(tl.where(qm, tl.reshape(x, [GROUPS, 128]), 0.0))
+    tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
     tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < cols) & live)
 
 
