@@ -98,17 +98,17 @@ def candidates(kind: str) -> list[AttentionConfig]:
     for block_n, ns, stages, warps in itertools.product((64, 128), splits, (2, 3), (4, 8)):
         out.append(AttentionConfig(block_n=block_n, num_splits=ns, min_tiles_per_split=2,
                                    num_warps=warps, num_stages=stages, combine_heads=1,
-                                   combine_unroll=4, combine_warps=4))
+                                   combine_splits=32, combine_warps=4))
     return out
 
 
 def combine_candidates(kind: str) -> list[AttentionConfig]:
-    """Second pass: the best split shapes of the first pass × combine load batching."""
-    splits = ((64, 66, 3),) if kind == "ring" else ((64, 132, 3), (64, 132, 4), (64, 96, 4))
+    """Second pass: the best split shapes of the first pass × combine trip size and warps."""
+    splits = ((64, 66, 3),) if kind == "ring" else ((64, 132, 3), (64, 264, 3))
     return [
         AttentionConfig(block_n=bn, num_splits=ns, min_tiles_per_split=2, num_warps=4,
-                        num_stages=st, combine_heads=hb, combine_unroll=un, combine_warps=cw)
-        for (bn, ns, st), un, cw, hb in itertools.product(splits, (4, 8, 16), (1, 4), (1, 2))
+                        num_stages=st, combine_heads=1, combine_splits=sb, combine_warps=cw)
+        for (bn, ns, st), sb, cw in itertools.product(splits, (16, 32, 64, 128), (4, 8))
     ]
 
 
@@ -120,7 +120,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     pick = combine_candidates if a.combine else candidates
     cases = [Case("full", 65536, 6), Case("full", 131072, 6), Case("ring", 2 * 4160 + 1000, 6)]
-    if not a.combine:
+    if a.combine:
+        cases.insert(0, Case("full", 1024, 6))
+    else:
         cases.insert(0, Case("full", 4096, 6))
     rows = []
     for case in cases:
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
             rows.append(r)
             c = r["config"]
             tag = (f"{case.kind} {case.context // 1024}K bn{c['block_n']} s{c['num_splits']} "
-                   f"st{c['num_stages']} w{c['num_warps']} u{c['combine_unroll']} "
+                   f"st{c['num_stages']} w{c['num_warps']} sb{c['combine_splits']} "
                    f"cw{c['combine_warps']} hb{c['combine_heads']}")
             if "error" in r:
                 print(f"{tag:<36} ERROR {r['error']}", flush=True)

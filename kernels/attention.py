@@ -61,16 +61,17 @@ class AttentionConfig:
     num_warps: int
     num_stages: int
     combine_heads: int  # query heads per combine program (power of two)
-    combine_unroll: int  # groups of 4 splits whose loads one combine loop trip issues together
+    combine_splits: int  # splits one combine loop trip loads and sums (power of two)
     combine_warps: int
 
     def __post_init__(self) -> None:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"AttentionConfig.block_n: power of two >= 16, got {self.block_n}")
-        if min(self.num_splits, self.min_tiles_per_split, self.combine_unroll) < 1:
-            raise ValueError(
-                "AttentionConfig: num_splits, min_tiles_per_split, combine_unroll must be >= 1"
-            )
+        if min(self.num_splits, self.min_tiles_per_split) < 1:
+            raise ValueError("AttentionConfig: num_splits, min_tiles_per_split must be >= 1")
+        if self.combine_splits < 1 or self.combine_splits & (self.combine_splits - 1):
+            raise ValueError(f"AttentionConfig.combine_splits: power of two >= 1, got "
+                             f"{self.combine_splits}")
         if self.combine_heads < 1 or self.combine_heads & (self.combine_heads - 1):
             raise ValueError(
                 f"AttentionConfig.combine_heads: power of two >= 1, got {self.combine_heads}"
@@ -86,18 +87,20 @@ def pick_config(head_dim: int, capacity: int, ring: bool) -> AttentionConfig:
     """
     if head_dim <= 64:
         return AttentionConfig(block_n=16, num_splits=8, min_tiles_per_split=1, num_warps=4,
-                               num_stages=1, combine_heads=16, combine_unroll=1, combine_warps=1)
+                               num_stages=1, combine_heads=16, combine_splits=2, combine_warps=4)
     # Chosen on the H200 by benchmarks/sweep_attention.py (reports/benchmarks/h200-2026-11-29/
-    # sweep_attention*.log), 6 rows: 64-key tiles, 3 stages, 4 warps; one-warp combine programs
-    # per (row, head) batching 4 groups of 4 splits per loop trip.
+    # sweep_attention*.log), 6 rows: 64-key tiles, 3 stages, 4 warps. The combine: 4-warp
+    # programs per (row, head) loading up to 128 splits per trip (session 10,
+    # reports/benchmarks/h200-2026-12-01/session10/): 5.2 µs at 128K vs 11.7 µs for 1-warp
+    # programs adding 16 splits per trip, 3.8 vs 6.9 µs per launch in the round at 192K.
     if ring:  # 4096 + 64 slots: 66 splits of ≥ 2 tiles (12.7 µs vs 15.1 µs before)
         return AttentionConfig(block_n=64, num_splits=66, min_tiles_per_split=2, num_warps=4,
-                               num_stages=3, combine_heads=1, combine_unroll=4, combine_warps=1)
-    # full layers: ≤ 132 splits (one per SM) of ≥ 2 tiles: 64K 27.6 µs, 128K 40.6 µs (vs 42.3 /
-    # 51.3 µs with 264 splits, 2 stages)
+                               num_stages=3, combine_heads=1, combine_splits=128, combine_warps=4)
+    # full layers: ≤ 132 splits (one per SM) of ≥ 2 tiles: 64K 21.8 µs, 128K 33.8 µs with this
+    # combine (264 splits: 33.1 µs at 128K but 23.0 µs at 64K; 2 stages: slower)
     return AttentionConfig(block_n=64, num_splits=min(132, triton.cdiv(capacity, 64)),
                            min_tiles_per_split=2, num_warps=4, num_stages=3, combine_heads=1,
-                           combine_unroll=4, combine_warps=1)
+                           combine_splits=128, combine_warps=4)
 
 
 @triton.jit
@@ -304,5 +307,5 @@ def attention(
     parts = _launch_split(q, cache, q_pos, n, scale, cfg, pdl=pdl)
     return attention_combine(parts, q, sink_k, n, scale, out,
                              heads_per_program=cfg.combine_heads,
-                             unroll=cfg.combine_unroll, combine_warps=cfg.combine_warps,
+                             splits_per_trip=cfg.combine_splits, combine_warps=cfg.combine_warps,
                              quant_out=quant_out, pdl=pdl)

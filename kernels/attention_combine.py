@@ -1,9 +1,10 @@
 """The combine of the split-KV attention (kernels/attention.py): merges the splits' FP32 O and
-LSE in FP32 with four independent accumulation chains (split index mod 4, summed as
-(c0 + c1) + (c2 + c3)), applies the sink through the LSE (O ← O·sigmoid(L − s),
-s = scale·⟨q_h, sink_k[g]⟩), rounds once to the output dtype and, for the O projection, can
-quantize its own output (whole 128-column groups per program). Padding rows are neither read
-for results nor written.
+LSE in FP32 in trips of SB consecutive splits up to the last split with keys (one [SB, HB, D]
+load per trip, summed over the trip by tl.sum, trips added in increasing split order: the bits
+depend on SB, which the pinned config fixes, and on nothing else), applies the sink through the LSE
+(O ← O·sigmoid(L − s), s = scale·⟨q_h, sink_k[g]⟩), rounds once to the output dtype and, for
+the O projection, can quantize its own output (whole 128-column groups per program). Padding
+rows are neither read for results nor written.
 
 Dimension letters as in kernels/attention.py.
 """
@@ -22,19 +23,8 @@ from kernels.attention_common import (
     n_live_tensor,
     rne_bf16,
 )
-from kernels.fp8 import check_quantized, quantize_stored_groups
+from kernels.fp8 import check_quantized, quantize_row
 from kernels.launch import launch_opts, pdl_enter
-
-
-@triton.jit
-def _split_term(pl_ptr, o_base, s, S, s_ls, s_os, lse_off, hmask, mx, HB: tl.constexpr):
-    """Split s's weight exp(lse_s − mx) [HB] and weighted output [HB, D]; 0 where no keys."""
-    ok = hmask & ((s + tl.zeros([HB], tl.int32)) < S)
-    lse = tl.load(pl_ptr + s * s_ls + lse_off, mask=ok, other=float("-inf"))
-    has = lse > float("-inf")
-    o = tl.load(o_base + s * s_os, mask=has[:, None], other=0.0)
-    w = tl.exp2((lse - mx) * LOG2E)
-    return w, o * w[:, None]
 
 
 @triton.jit
@@ -43,52 +33,43 @@ def _combine_kernel(
     HQ, scale,
     s_os, s_or, s_oh, s_ls, s_lr, s_qr, s_qh, s_sk, s_outr, s_outh, s_oqr, s_osr,
     G: tl.constexpr, D: tl.constexpr, S: tl.constexpr, BLOCK_S: tl.constexpr,
-    HB: tl.constexpr, UNROLL: tl.constexpr, HAS_SINK: tl.constexpr, INTERPRET: tl.constexpr,
+    HB: tl.constexpr, SB: tl.constexpr, HAS_SINK: tl.constexpr, INTERPRET: tl.constexpr,
     QUANT: tl.constexpr, QGROUPS: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     r = tl.program_id(0)
     h = tl.program_id(1) * HB + tl.arange(0, HB)  # query heads of this program [HB]
     n_live = tl.load(n_live_ptr)
-    hmask = (h < HQ) & ((r + tl.zeros([HB], tl.int32)) < n_live)
     d = tl.arange(0, D)
     sp = tl.arange(0, BLOCK_S)
     lse_off = r * s_lr + h
+    # not masked by n_live, so this load does not wait for it (a padding row reads its stale
+    # LSEs, finds n_used = 0 below and stores nothing)
     lse_all = tl.load(pl_ptr + sp[:, None] * s_ls + lse_off[None, :],
-                      mask=(sp < S)[:, None] & hmask[None, :], other=float("-inf"))  # [S, HB]
+                      mask=(sp < S)[:, None] & (h < HQ)[None, :], other=float("-inf"))  # [S, HB]
+    hmask = (h < HQ) & ((r + tl.zeros([HB], tl.int32)) < n_live)
+    lse_all = tl.where(hmask[None, :], lse_all, float("-inf"))
     mx = tl.max(lse_all, axis=0)
     mx = tl.where(mx == float("-inf"), 0.0, mx)
     n_used = tl.max(tl.max(tl.where(lse_all > float("-inf"), sp[:, None] + 1, 0), axis=1), axis=0)
-    o_base = po_ptr + r * s_or + h[:, None] * s_oh + d[None, :]
-    acc0 = tl.zeros([HB, D], tl.float32)
-    acc1 = tl.zeros([HB, D], tl.float32)
-    acc2 = tl.zeros([HB, D], tl.float32)
-    acc3 = tl.zeros([HB, D], tl.float32)
-    den0 = tl.zeros([HB], tl.float32)
-    den1 = tl.zeros([HB], tl.float32)
-    den2 = tl.zeros([HB], tl.float32)
-    den3 = tl.zeros([HB], tl.float32)
+    o_base = po_ptr + r * s_or + h[:, None] * s_oh + d[None, :]  # [HB, D]
+    sb = tl.arange(0, SB)
+    acc = tl.zeros([HB, D], tl.float32)
+    den = tl.zeros([HB], tl.float32)
     s0 = 0
-    while s0 < n_used:  # chain j takes the splits s ≡ j (mod 4), in increasing s
-        # UNROLL groups of four per trip only batch the loads; each chain still adds its
-        # splits one by one in increasing order, so the result does not depend on UNROLL
-        for u in tl.static_range(UNROLL):
-            s = s0 + 4 * u
-            w0, x0 = _split_term(pl_ptr, o_base, s, S, s_ls, s_os, lse_off, hmask, mx, HB)
-            w1, x1 = _split_term(pl_ptr, o_base, s + 1, S, s_ls, s_os, lse_off, hmask, mx, HB)
-            w2, x2 = _split_term(pl_ptr, o_base, s + 2, S, s_ls, s_os, lse_off, hmask, mx, HB)
-            w3, x3 = _split_term(pl_ptr, o_base, s + 3, S, s_ls, s_os, lse_off, hmask, mx, HB)
-            acc0 += x0
-            acc1 += x1
-            acc2 += x2
-            acc3 += x3
-            den0 += w0
-            den1 += w1
-            den2 += w2
-            den3 += w3
-        s0 += 4 * UNROLL
-    acc = (acc0 + acc1) + (acc2 + acc3)
-    den = (den0 + den1) + (den2 + den3)
+    while s0 < n_used:
+        s = s0 + sb  # [SB]
+        ok = (s < n_used)[:, None] & hmask[None, :]
+        # O and LSE of the trip load together: a split without keys for this row (its O never
+        # written) weighs 0 and the where() drops whatever its O holds
+        lse = tl.load(pl_ptr + s[:, None] * s_ls + lse_off[None, :], mask=ok,
+                      other=float("-inf"))  # [SB, HB]
+        o = tl.load(o_base[None, :, :] + s[:, None, None] * s_os, mask=ok[:, :, None],
+                    other=0.0)  # [SB, HB, D]
+        w = tl.exp2((lse - mx[None, :]) * LOG2E)
+        acc += tl.sum(tl.where(w[:, :, None] > 0.0, o, 0.0) * w[:, :, None], axis=0)
+        den += tl.sum(w, axis=0)
+        s0 += SB
     den = tl.where(den > 0.0, den, 1.0)
     o = acc / den[:, None]
     if HAS_SINK:
@@ -104,13 +85,13 @@ def _combine_kernel(
     if INTERPRET:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             o = rne_bf16(o)
-    tl.store(out_ptr + r * s_outr + h[:, None] * s_outh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=hmask[:, None])
-    if QUANT:  # the O projection's operand: this program's HB·D columns (s_outh = D) are
-        # whole 128-column groups
-        quantize_stored_groups(out_ptr, oq_ptr, os_ptr, r, r < n_live,
-                               tl.program_id(1) * (HB * D), HQ * D, s_outr, s_oqr, s_osr,
-                               QGROUPS)
+    o = o.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + r * s_outr + h[:, None] * s_outh + d[None, :], o, mask=hmask[:, None])
+    if QUANT:  # the O projection's operand, from the values just stored: this program's HB·D
+        # columns (s_outh = D) are whole 128-column groups
+        col0 = tl.program_id(1) * (HB * D)
+        quantize_row(tl.reshape(o.to(tl.float32), [HB * D]), oq_ptr + col0, os_ptr + col0 // 128,
+                     r, r < n_live, HQ * D - col0, s_oqr, s_osr, QGROUPS)
 
 
 def attention_combine(
@@ -122,12 +103,14 @@ def attention_combine(
     out: torch.Tensor,  # [R, Hq, D]; rows >= n_live are not written
     *,
     heads_per_program: int = 1,
-    unroll: int = 1,
+    splits_per_trip: int = 4,
     combine_warps: int = 4,
     quant_out: tuple[torch.Tensor, torch.Tensor] | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """quant_out = (E4M3 [R, Hq·D], fp32 [R, ⌈Hq·D/128⌉]) to fill with quantize_act(out viewed
+    """splits_per_trip: SB above (a power of two).
+
+    quant_out = (E4M3 [R, Hq·D], fp32 [R, ⌈Hq·D/128⌉]) to fill with quantize_act(out viewed
     [R, Hq·D]) on the live rows, bit for bit (the O projection's operand); needs
     combine_quantizes(...) and out's heads contiguous. pdl: programmatic dependent launch
     (kernels/launch.py)."""
@@ -142,13 +125,16 @@ def attention_combine(
                          f"on {q.device}, got {tuple(sink_k.shape)} on {sink_k.device}")
     sink = sink_k if sink_k is not None else q  # placeholder pointer, never read
     hb = min(heads_per_program, triton.next_power_of_2(hq))
+    if splits_per_trip < 1 or splits_per_trip & (splits_per_trip - 1):
+        raise ValueError(f"attention_combine: splits_per_trip must be a power of two >= 1, got "
+                         f"{splits_per_trip}")
     oq, osc = _check_quant_out(quant_out, r, hq, d, hb, out)
     _combine_kernel[(r, triton.cdiv(hq, hb))](
         parts.o, parts.lse, q, sink, out, n_live_tensor(n_live, q.device), oq, osc, hq, scale,
         parts.o.stride(0), parts.o.stride(1), parts.o.stride(2),
         parts.lse.stride(0), parts.lse.stride(1), q.stride(0), q.stride(1),
         sink.stride(0), out.stride(0), out.stride(1), oq.stride(0), osc.stride(0),
-        G=hq // hkv, D=d, S=s, BLOCK_S=triton.next_power_of_2(s), HB=hb, UNROLL=unroll,
+        G=hq // hkv, D=d, S=s, BLOCK_S=triton.next_power_of_2(s), HB=hb, SB=splits_per_trip,
         HAS_SINK=sink_k is not None, INTERPRET=interpreting(),
         QUANT=quant_out is not None, QGROUPS=max(1, hb * d // 128), num_warps=combine_warps,
         **launch_opts(pdl),

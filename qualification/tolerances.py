@@ -397,8 +397,8 @@ _ROWS: tuple[Tolerance, ...] = (
         0.0,
         0.0,
         "padded width (garbage padding rows) vs exact width; a rolled-back ring vs one that "
-        "never saw the rejected rows; combine unroll 1 vs 2 vs 3: each pair runs the same "
-        "arithmetic in the same order",
+        "never saw the rejected rows: each pair runs the same arithmetic in the same "
+        "order",
         "ring of exactly W slots (rejected rows evict history the next round needs); padding "
         "rows treated as live (written into the NaN-poisoned output)",
     ),
