@@ -83,9 +83,13 @@ class MoeLaunch:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")
 
+    def k_blocks(self, hidden: int) -> int:
+        """128-column hidden blocks per gate/up K split at this hidden size."""
+        return min(self.gate_up_k_blocks, _blocks(hidden))
+
     def k_splits(self, hidden: int) -> int:
-        """KS: gate/up partials per slot (hidden blocks of 128 columns, gate_up_k_blocks each)."""
-        return -(-_blocks(hidden) // min(self.gate_up_k_blocks, _blocks(hidden)))
+        """KS: gate/up partials per slot (hidden blocks of 128 columns, k_blocks each)."""
+        return -(-_blocks(hidden) // self.k_blocks(hidden))
 
 
 def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
@@ -377,7 +381,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
         *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
-        K_BLOCKS=min(cfg.gate_up_k_blocks, _blocks(g.hidden)),
+        K_BLOCKS=cfg.k_blocks(g.hidden),
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
     )
     quant = a is None

@@ -197,10 +197,15 @@ def _pow2(x: int) -> int:
     return triton.next_power_of_2(x)
 
 
+def _groups(hidden: int) -> int:
+    """128-column groups of a row program, a power of two (kernels.fp8.quantize_row)."""
+    return _pow2(-(-hidden // 128))
+
+
 def _block_h(hidden: int) -> int:
     """A row program's columns: whole 128-column groups, so the row it holds in registers
     reshapes to [groups, 128] for the quantization (kernels.fp8.quantize_row)."""
-    return 128 * _pow2(-(-hidden // 128))
+    return 128 * _groups(hidden)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -365,7 +370,7 @@ def attn_tail(
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
         BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_pow2(-(-hidden // 128)),
+        UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
@@ -419,7 +424,7 @@ def moe_tail(
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=_block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
-        GROUPS=_pow2(-(-hidden // 128)), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
+        GROUPS=_groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
         REARM_PARTS=re_parts, num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )
