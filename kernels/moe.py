@@ -10,6 +10,9 @@ Checkpoint layout: fc [E, 2I, H] E4M3 (rows [0, I) gate, [I, 2I) up), fc_scale_i
 straddle the gate/up boundary (I = 192 per TP8 rank) and be partial (I = 64): every weight row
 looks up its own block row, n // 128.
 
+Launch configuration (tiles, warps, K split; pinned per shape and device type):
+kernels/moe_launch.py.
+
 Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is read on the device):
   1. act-quant x → E4M3 + scales per row per 128 columns           (kernels/fp8.py; in the
      runtime the attention tail writes it, kernels/tails.py)
@@ -53,75 +56,9 @@ from kernels.fp8 import (
     quantize_groups,
 )
 from kernels.launch import launch_opts, pdl_enter
-from reference.params import FP8_BLOCK
+from kernels.moe_launch import MoeLaunch, blocks, moe_launch
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
-
-
-@dataclass(frozen=True)
-class MoeLaunch:
-    gate_up_block_n: int  # intermediate channels per gate/up program (each of gate and up)
-    down_block_n: int  # hidden channels per down program
-    combine_block_h: int  # hidden channels per combine program
-    num_warps: int = 4  # SiLU and combine programs
-    gate_up_stages: int = 3
-    down_stages: int = 2  # down's K loop is only ⌈I/128⌉ = 2 blocks long
-    gate_up_k_blocks: int = 1 << 30  # 128-column hidden blocks per gate/up K split
-    gate_up_warps: int = 4
-    down_warps: int = 4
-
-    def __post_init__(self) -> None:
-        for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 16, got {v}")
-        for name in ("num_warps", "gate_up_warps", "down_warps"):
-            v = getattr(self, name)
-            if v < 1 or v & (v - 1):
-                raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 1, got {v}")
-        if self.gate_up_k_blocks < 1:
-            raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
-                             f"{self.gate_up_k_blocks}")
-
-    def k_blocks(self, hidden: int) -> int:
-        """128-column hidden blocks per gate/up K split at this hidden size."""
-        return min(self.gate_up_k_blocks, _blocks(hidden))
-
-    def k_splits(self, hidden: int) -> int:
-        """KS: gate/up partials per slot (hidden blocks of 128 columns, k_blocks each)."""
-        return -(-_blocks(hidden) // self.k_blocks(hidden))
-
-
-def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
-    """Pinned: a pure function of the shape and the device type, no autotuning.
-    device_type "cpu" (the Triton interpreter, which runs programs one after another at a cost
-    per program): one channel tile per slot in both GEMMs and no K split — the fewest programs.
-    Channel tiles change no accumulation order (each output element sums over K the same way),
-    so only the split changes bits, within the tolerance rows; CPU tests still cover tiles and
-    splits through explicit configs.
-    device_type "cuda": chosen on the H200 (session 9,
-    reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
-    streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
-    split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
-    21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
-    µs for session 2's pinned 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
-    40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
-    if device_type == "cpu":
-        return MoeLaunch(
-            gate_up_block_n=max(16, triton.next_power_of_2(inter)),
-            down_block_n=max(16, min(1024, triton.next_power_of_2(hidden))),
-            combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
-        )
-    return MoeLaunch(
-        gate_up_block_n=32,
-        down_block_n=64,
-        combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
-        gate_up_stages=3,
-        down_stages=2,
-        gate_up_k_blocks=6,
-        gate_up_warps=2,
-        down_warps=2,
-    )
 
 
 # --- kernels ---------------------------------------------------------------------------------
@@ -299,10 +236,6 @@ def _moe_combine_kernel(
 # --- wrappers ----------------------------------------------------------------------------------
 
 
-def _blocks(n: int) -> int:
-    return -(-n // FP8_BLOCK)
-
-
 def _check_routing(x_rows: int, ids: torch.Tensor, device, weights=None) -> int:
     check_tensor("ids", ids, dims=2, dtypes=(torch.int32, torch.int64), device=device)
     if ids.shape[0] != x_rows:
@@ -322,7 +255,7 @@ def _check_experts(name: str, w, s, rows_out: int | None, cols: int | None, devi
         raise ValueError(f"{name}: expected dim 1 = {rows_out}, got shape {tuple(w.shape)}")
     if cols is not None and c != cols:
         raise ValueError(f"{name}: expected dim 2 = {cols}, got shape {tuple(w.shape)}")
-    check_tensor(f"{name}_scale_inv", s, shape=(e, _blocks(n), _blocks(c)),
+    check_tensor(f"{name}_scale_inv", s, shape=(e, blocks(n), blocks(c)),
                  dtypes=(torch.float32,), device=device)
 
 
@@ -381,7 +314,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
         *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
-        K_BLOCKS=cfg.k_blocks(g.hidden),
+        K_BLOCKS=cfg.kblocks(g.hidden),
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
     )
     quant = a is None
@@ -390,7 +323,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
         part, g.n, dummy if quant else a, aq if quant else dummy, sa if quant else dummy, r,
         part.stride(0), part.stride(1), 0 if quant else a.stride(0),
         aq.stride(0) if quant else 0, sa.stride(0) if quant else 0,
-        I=inter, K=k, KS=ks, GROUPS=triton.next_power_of_2(_blocks(inter)), QUANT=quant,
+        I=inter, K=k, KS=ks, GROUPS=triton.next_power_of_2(blocks(inter)), QUANT=quant,
         num_warps=cfg.num_warps, **launch_opts(g.pdl),
     )
 
@@ -537,6 +470,6 @@ def moe_fp8(
     d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl)
     s = g.rows * g.k
     aq = torch.empty(s, g.inter, dtype=E4M3, device=x.device)
-    sa = torch.empty(s, _blocks(g.inter), dtype=torch.float32, device=x.device)
+    sa = torch.empty(s, blocks(g.inter), dtype=torch.float32, device=x.device)
     _gate_up_silu(g, aq=aq, sa=sa)
     return _down_combine(d, aq, sa)

@@ -1,0 +1,81 @@
+"""Launch configuration of the block-FP8 MoE (kernels/moe.py): tile sizes, warps, stages and the
+gate/up K split, pinned per shape and device type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from reference.params import FP8_BLOCK
+
+
+def blocks(n: int) -> int:
+    """128-column FP8 blocks covering n columns."""
+    return -(-n // FP8_BLOCK)
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    gate_up_block_n: int  # intermediate channels per gate/up program (each of gate and up)
+    down_block_n: int  # hidden channels per down program
+    combine_block_h: int  # hidden channels per combine program
+    num_warps: int = 4  # SiLU and combine programs
+    gate_up_stages: int = 3
+    down_stages: int = 2  # down's K loop is only ⌈I/128⌉ = 2 blocks long
+    gate_up_k_blocks: int = 1 << 30  # 128-column hidden blocks per gate/up K split
+    gate_up_warps: int = 4
+    down_warps: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 16, got {v}")
+        for name in ("num_warps", "gate_up_warps", "down_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 1, got {v}")
+        if self.gate_up_k_blocks < 1:
+            raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
+                             f"{self.gate_up_k_blocks}")
+
+    def kblocks(self, hidden: int) -> int:
+        """128-column hidden blocks per gate/up K split at this hidden size."""
+        return min(self.gate_up_k_blocks, blocks(hidden))
+
+    def k_splits(self, hidden: int) -> int:
+        """KS: gate/up partials per slot (hidden blocks of 128 columns, k_blocks each)."""
+        return -(-blocks(hidden) // self.kblocks(hidden))
+
+
+def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
+    """Pinned: a pure function of the shape and the device type, no autotuning.
+    device_type "cpu" (the Triton interpreter, which runs programs one after another at a cost
+    per program): one channel tile per slot in both GEMMs and no K split — the fewest programs.
+    Channel tiles change no accumulation order (each output element sums over K the same way),
+    so only the split changes bits, within the tolerance rows; CPU tests still cover tiles and
+    splits through explicit configs.
+    device_type "cuda": chosen on the H200 (session 9,
+    reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
+    streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
+    split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
+    21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
+    µs for session 2's pinned 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
+    40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
+    if device_type == "cpu":
+        return MoeLaunch(
+            gate_up_block_n=max(16, triton.next_power_of_2(inter)),
+            down_block_n=max(16, min(1024, triton.next_power_of_2(hidden))),
+            combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
+        )
+    return MoeLaunch(
+        gate_up_block_n=32,
+        down_block_n=64,
+        combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
+        gate_up_stages=3,
+        down_stages=2,
+        gate_up_k_blocks=6,
+        gate_up_warps=2,
+        down_warps=2,
+    )
