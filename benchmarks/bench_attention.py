@@ -82,6 +82,10 @@ def _range(layout: KVLayout, pos: torch.Tensor) -> tuple[int, int]:
 def _fill(layout: KVLayout, n_end: int, gen: torch.Generator, dev) -> LayerKV:
     """A cache holding positions up to n_end − 1 (the last C of them for a ring), random bf16,
     labels set by plain indexing (the write kernel is not what is measured here)."""
+    if not layout.ring and n_end > layout.capacity:
+        raise ValueError(f"bench_attention: a full cache of {layout.capacity} slots cannot hold "
+                         f"positions up to {n_end - 1} (context + rows); largest context "
+                         f"{layout.capacity - 8} at 8 rows")
     cache = LayerKV.empty(layout, dev)
     lo = 0 if not layout.ring else max(0, n_end - layout.capacity)
     pos = torch.arange(lo, n_end, device=dev)
