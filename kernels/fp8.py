@@ -74,9 +74,10 @@ def quantize_groups(x):
 def quantize_row(x, q_ptr, s_ptr, row, live, cols, stride_qr, stride_sr, GROUPS: tl.constexpr):
     """quantize_act of one row held in registers: x fp32 [GROUPS·128] → q [cols] E4M3 and
     scales [⌈cols/128⌉] stored at `row`. The values quantized are exactly those the caller
-    stored (it passes the rounded row), so no store → barrier → reload
-    (quantize_stored_groups): the MoE tail's quantization took 3.6 µs that way on the H200 at
-    6 rows (session 9, reports/benchmarks/h200-2026-12-01/session9/exp_quant_call9.log)."""
+    stored (it passes the rounded row), so no store → barrier → reload: the MoE tail's
+    quantization took 3.6 µs that way on the H200 at 6 rows (session 9,
+    reports/benchmarks/h200-2026-12-01/session9/exp_quant_call9.log); the tails and the
+    attention combine all quantize from registers now."""
     grp = tl.arange(0, GROUPS)
     col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
     # columns ≥ cols and padding rows as 0 (never stored; a padding row holds NaN: no evidence)
@@ -84,24 +85,6 @@ def quantize_row(x, q_ptr, s_ptr, row, live, cols, stride_qr, stride_sr, GROUPS:
     q, s = quantize_groups(tl.where(qm, tl.reshape(x, [GROUPS, 128]), 0.0))
     tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
     tl.store(s_ptr + row * stride_sr + grp, s, mask=(grp * 128 < cols) & live)
-
-
-@triton.jit
-def quantize_stored_groups(src_ptr, q_ptr, s_ptr, row, live, col0, cols, stride_src, stride_qr,
-                           stride_sr, GROUPS: tl.constexpr):
-    """quantize_act of columns col0 … col0 + 128·GROUPS − 1 (col0 a multiple of 128, columns ≥
-    `cols` absent) of row `row` of src, which this program has just stored: read back as
-    [G, 128] groups after a barrier (so every thread sees the others' stores) → q, scales.
-    Lets a producer quantize its own output for the next FP8 GEMM without another launch."""
-    tl.debug_barrier()
-    grp = tl.arange(0, GROUPS)
-    col = col0 + grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
-    qm = (col < cols) & live
-    x = tl.load(src_ptr + row * stride_src + col, mask=qm, other=0.0).to(tl.float32)
-    q, s = quantize_groups(x)
-    tl.store(q_ptr + row * stride_qr + col, q, mask=qm)
-    gi = col0 // 128 + grp
-    tl.store(s_ptr + row * stride_sr + gi, s, mask=(gi * 128 < cols) & live)
 
 
 # --- kernels ---------------------------------------------------------------------------------

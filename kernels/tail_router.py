@@ -195,7 +195,7 @@ class RouteLaunch:
 
 
 def route_launch(hidden: int, experts: int) -> RouteLaunch:
-    """The folded router's tuned blocks (kernels/tails.py tail_launch; E = 256: 128 programs
+    """The folded router's tuned blocks (kernels/tails_launch.py tail_launch; E = 256: 128 programs
     of 2 experts, 3 steps of 1024 columns at H 3072); small E: 8 experts × 128 columns."""
     if experts >= 64:
         return RouteLaunch(block_e=2, block_k=min(1024, triton.next_power_of_2(hidden)))

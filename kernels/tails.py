@@ -26,12 +26,12 @@ exactly that); mean = sum / H with IEEE div. FMA contraction is off (enable_fp_f
 xn + an·scale and h + f·scale round twice, as in torch. What remains vs the twin: the order of the
 sum of squares in each norm and of the router GEMM, and exp in the softmax.
 
+Launch configuration (warps, router blocks, the row programs' groups): kernels/tails_launch.py.
+
 Dimension letters: N partials, R rows (≤ route_rows), H hidden, E experts, K top-k.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,6 +42,7 @@ from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
+from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
 from reference.tails import AttnTailOut, MoeTailOut
 
 # a TP8 O-projection ring holds 8 ranks × S split-K partials (24 at the IQuest-Q1 rank shape,
@@ -169,43 +170,6 @@ def _moe_tail_kernel(
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
     if QUANT:  # the next layer's QKV operand
         quantize_row(xn, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
-
-
-# --- launch configuration (pinned; no autotuning) ----------------------------------------------
-
-
-@dataclass(frozen=True)
-class TailLaunch:
-    num_warps: int = 8
-    route_rows: int = 8  # rows per router program; fixed so padded and exact widths match bits
-    block_e: int = 4  # experts per router program
-    block_k: int = 128  # hidden columns per router step
-    unroll_k: bool = False  # router: poll all of its input at once (see _router_program)
-
-
-def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
-    """E ≥ 64 (the real E = 256: 128 router programs of 2 experts, 3 steps of 1024 columns):
-    20.0 µs per attention tail with router on the H200 vs 50.7 µs for 4 experts × 128 columns
-    (6 of 8 rows, N = 8; `bench_tails --sweep`, reports/benchmarks/h200-2026-11-29/session3/);
-    the router programs' wait is a chain of volatile loads, one link per step."""
-    if experts >= 64:
-        return TailLaunch(block_e=2, block_k=min(1024, _pow2(hidden)))
-    return TailLaunch(block_e=8, block_k=min(128, _pow2(hidden)))
-
-
-def _pow2(x: int) -> int:
-    return triton.next_power_of_2(x)
-
-
-def _groups(hidden: int) -> int:
-    """128-column groups of a row program, a power of two (kernels.fp8.quantize_row)."""
-    return _pow2(-(-hidden // 128))
-
-
-def _block_h(hidden: int) -> int:
-    """A row program's columns: whole 128-column groups, so the row it holds in registers
-    reshapes to [groups, 128] for the quantization (kernels.fp8.quantize_row)."""
-    return 128 * _groups(hidden)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -366,11 +330,11 @@ def attn_tail(
         out.f_in.stride(0), stride_an, stride_ar,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
         rows, eps, attn_out_scale, max_polls, router_max_polls,
-        HIDDEN=hidden, BLOCK_H=_block_h(hidden), NPART=npart, REARM=rearm is not None,
+        HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
-        BLOCK_EALL=_pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=_pow2(max(top_k, 1)),
+        BLOCK_EALL=pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=_groups(hidden),
+        UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
@@ -422,9 +386,9 @@ def moe_tail(
         p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
         stride_an, stride_ar, q.stride(0), s.stride(0),
         eps, ffn_out_scale, max_polls,
-        HIDDEN=hidden, BLOCK_H=_block_h(hidden), NPART=npart, REARM=rearm is not None,
+        HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
-        GROUPS=_groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
+        GROUPS=groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
         REARM_PARTS=re_parts, num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )

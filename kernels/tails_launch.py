@@ -1,0 +1,42 @@
+"""Launch configuration of the residual/norm tails (kernels/tails.py), pinned per shape (no
+autotuning): warps, router blocks, and the row programs' 128-column groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class TailLaunch:
+    num_warps: int = 8
+    route_rows: int = 8  # rows per router program; fixed so padded and exact widths match bits
+    block_e: int = 4  # experts per router program
+    block_k: int = 128  # hidden columns per router step
+    unroll_k: bool = False  # router: poll all of its input at once (see _router_program)
+
+
+def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
+    """E ≥ 64 (the real E = 256: 128 router programs of 2 experts, 3 steps of 1024 columns):
+    20.0 µs per attention tail with router on the H200 vs 50.7 µs for 4 experts × 128 columns
+    (6 of 8 rows, N = 8; `bench_tails --sweep`, reports/benchmarks/h200-2026-11-29/session3/);
+    the router programs' wait is a chain of volatile loads, one link per step."""
+    if experts >= 64:
+        return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)))
+    return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)))
+
+
+def pow2(x: int) -> int:
+    return triton.next_power_of_2(x)
+
+
+def groups(hidden: int) -> int:
+    """128-column groups of a row program, a power of two (kernels.fp8.quantize_row)."""
+    return pow2(-(-hidden // 128))
+
+
+def block_h(hidden: int) -> int:
+    """A row program's columns: whole 128-column groups, so the row it holds in registers
+    reshapes to [groups, 128] for the quantization (kernels.fp8.quantize_row)."""
+    return 128 * groups(hidden)
