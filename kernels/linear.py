@@ -29,12 +29,12 @@ with a runtime K the sm_90 PTX has plain per-element loads and no pipelining.
 The Triton interpreter multiplies bf16 bit patterns in tl.dot; under it (INTERPRET) the BF16
 kernel widens both tiles to FP32 first — bf16·bf16 products are exact in FP32 either way.
 Rows ≥ n are never read (masked loads) and never written.
+Launch configuration (tiles, split-K, pinned per-rank shapes): kernels/linear_launch.py.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -42,67 +42,14 @@ import triton.language as tl
 
 from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
 from kernels.launch import launch_opts, pdl_enter
+from kernels.linear_launch import LinearLaunch, linear_bf16_launch, linear_fp8_launch, split_plan
 from reference.params import FP8_BLOCK
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs ≥ 16)
-TARGET_PROGRAMS = 128  # split K until the grid has about this many programs (132 SMs)
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@dataclass(frozen=True)
-class LinearLaunch:
-    block_n: int  # output channels per program (power of two ≥ 16)
-    split_k: int  # requested K splits; the effective count is split_plan(...)[0]
-    block_k: int = 128  # columns per K step (FP8: exactly one 128-column scale block)
-    num_warps: int = 4
-    num_stages: int = 3
-    reduce_block: int = 1024  # channels per program of the split-K reduction
-
-    def __post_init__(self) -> None:
-        for name in ("block_n", "block_k", "reduce_block"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"LinearLaunch.{name}: expected a power of two >= 16, got {v}")
-        if self.split_k < 1:
-            raise ValueError(f"LinearLaunch.split_k: expected >= 1, got {self.split_k}")
-
-
-def split_plan(k_blocks: int, split_k: int) -> tuple[int, int]:
-    """(S, KB): S splits of KB column blocks each (the last may be shorter, never empty)."""
-    kb = -(-k_blocks // max(1, min(split_k, k_blocks)))
-    return -(-k_blocks // kb), kb
-
-
-# Per-rank TP8 shapes (N, K) of IQuest-Q1, pinned; everything else follows _default_launch.
-_PINNED_FP8: tuple[tuple[tuple[int, int], LinearLaunch], ...] = (
-    ((1024, 3072), LinearLaunch(64, 8)),  # QKV: 16 tiles × 8 splits of 3 blocks
-    ((3072, 768), LinearLaunch(64, 3)),  # O: 48 tiles × 3 splits of 2 blocks
-    ((1536, 3072), LinearLaunch(64, 6)),  # dense gate or up: 24 tiles × 6 splits of 4 blocks
-    ((3072, 3072), LinearLaunch(64, 3)),  # dense gate+up fused: 48 tiles × 3 splits of 8
-    ((3072, 1536), LinearLaunch(64, 3)),  # dense down: 48 tiles × 3 splits of 4 blocks
-    ((20000, 3072), LinearLaunch(64, 1)),  # quantized lm_head shard: 313 tiles
-)
-_PINNED_BF16: tuple[tuple[tuple[int, int], LinearLaunch], ...] = (
-    ((20000, 3072), LinearLaunch(64, 1, num_stages=4)),  # lm_head shard: 313 tiles
-    ((3072, 6144), LinearLaunch(64, 3)),  # draft eh_proj: 48 tiles × 3 splits of 16 blocks
-)
-
-
-def _default_launch(n: int, k: int, block_k: int) -> LinearLaunch:
-    bn = 64 if n >= 64 else max(16, triton.next_power_of_2(n))
-    tiles = -(-n // bn)
-    return LinearLaunch(bn, max(1, -(-TARGET_PROGRAMS // tiles)), block_k)
-
-
-def linear_fp8_launch(n: int, k: int) -> LinearLaunch:
-    return dict(_PINNED_FP8).get((n, k)) or _default_launch(n, k, FP8_BLOCK)
-
-
-def linear_bf16_launch(n: int, k: int) -> LinearLaunch:
-    return dict(_PINNED_BF16).get((n, k)) or _default_launch(n, k, 128)
 
 
 # --- kernels ---------------------------------------------------------------------------------
