@@ -1,10 +1,11 @@
 """The combine of the split-KV attention (kernels/attention.py): merges the splits' FP32 O and
 LSE in FP32 in trips of SB consecutive splits up to the last split with keys (one [SB, HB, D]
 load per trip, summed over the trip by tl.sum, trips added in increasing split order: the bits
-depend on SB, which the pinned config fixes, and on nothing else), applies the sink through the LSE
-(O ← O·sigmoid(L − s), s = scale·⟨q_h, sink_k[g]⟩), rounds once to the output dtype and, for
-the O projection, can quantize its own output (whole 128-column groups per program). Padding
-rows are neither read for results nor written.
+depend on the launch — SB and the warps' reduction tree — which the pinned config fixes, not on
+timing), applies the sink through the LSE (O ← O·sigmoid(L − s), s = scale·⟨q_h, sink_k[g]⟩),
+rounds once to the output dtype and, for the O projection, can quantize its own output (whole
+128-column groups per program, from registers). Padding rows are neither read for results nor
+written.
 
 Dimension letters as in kernels/attention.py.
 """
