@@ -150,7 +150,7 @@ class DequantLaunch:
 
 def act_quant_launch(cols: int) -> ActQuantLaunch:
     """One program per row and up to 8 groups (1024 columns): 3 programs per row at C = 3072."""
-    return ActQuantLaunch(groups=min(8, triton.next_power_of_2(_blocks(cols))), num_warps=4)
+    return ActQuantLaunch(groups=min(8, triton.next_power_of_2(blocks(cols))), num_warps=4)
 
 
 def dequant_launch(rows: int, cols: int) -> DequantLaunch:
@@ -160,7 +160,8 @@ def dequant_launch(rows: int, cols: int) -> DequantLaunch:
 # --- wrappers ----------------------------------------------------------------------------------
 
 
-def _blocks(n: int) -> int:
+def blocks(n: int) -> int:
+    """128-column FP8 blocks covering n columns."""
     return -(-n // FP8_BLOCK)
 
 
@@ -199,7 +200,7 @@ def check_quantized(name: str, pair, rows: int, cols: int, device) -> tuple:
     quantize_act result made earlier (by a producer kernel) → the pair; ValueError naming it."""
     q, s = pair
     for i, t, shape, dtype in ((0, q, (rows, cols), E4M3),
-                               (1, s, (rows, _blocks(cols)), torch.float32)):
+                               (1, s, (rows, blocks(cols)), torch.float32)):
         check_tensor(f"{name}[{i}]", t, shape=shape, dtypes=(dtype,), device=device)
         if t.stride(1) != 1 and t.shape[1] > 1:
             raise ValueError(f"{name}[{i}]: expected unit column stride, got {t.stride()}")
@@ -229,7 +230,7 @@ def quantize_act(
     if rows_per_live < 1:
         raise ValueError(f"rows_per_live: expected >= 1, got {rows_per_live}")
     n = live_count(n_live, -(-r // rows_per_live), x.device)
-    gc = _blocks(c)
+    gc = blocks(c)
     if q_out is None:
         q_out = torch.empty(r, c, dtype=E4M3, device=x.device)
     check_tensor("q_out", q_out, shape=(r, c), dtypes=(E4M3,), device=x.device)
@@ -267,7 +268,7 @@ def dequant_block(
     if w.dim() < 2:
         raise ValueError(f"w: expected [..., N, K], got shape {tuple(w.shape)}")
     *lead, n, k = w.shape
-    check_tensor("scale_inv", scale_inv, shape=(*lead, _blocks(n), _blocks(k)),
+    check_tensor("scale_inv", scale_inv, shape=(*lead, blocks(n), blocks(k)),
                  dtypes=(torch.float32,), device=w.device)
     if out is None:
         out = torch.empty(w.shape, dtype=torch.float32, device=w.device)

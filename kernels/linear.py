@@ -40,7 +40,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_quantized, check_tensor, live_count, quantize_act
+from kernels.fp8 import (
+    E4M3,
+    bf16_rne,
+    blocks,
+    check_quantized,
+    check_tensor,
+    live_count,
+    quantize_act,
+)
 from kernels.launch import launch_opts, pdl_enter
 from kernels.linear_launch import LinearLaunch, linear_bf16_launch, linear_fp8_launch, split_plan
 from reference.params import FP8_BLOCK
@@ -230,7 +238,7 @@ def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=No
 def _check_fp8_args(x, weight, scale_inv, config):
     r, k = _check_x(x, (torch.bfloat16, torch.float16, torch.float32))
     big_n = _check_weight("weight", weight, (E4M3,), k, x.device)
-    nb, kb = -(-big_n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    nb, kb = blocks(big_n), blocks(k)
     check_tensor("scale_inv", scale_inv, shape=(nb, kb), dtypes=(torch.float32,),
                  device=x.device)
     cfg = config or linear_fp8_launch(big_n, k)
@@ -243,7 +251,7 @@ def _check_fp8_args(x, weight, scale_inv, config):
 def linear_fp8_splits(n: int, k: int, config: LinearLaunch | None = None) -> int:
     """S, the leading dim of linear_fp8_partials' output for an [N, K] weight."""
     cfg = config or linear_fp8_launch(n, k)
-    return split_plan(-(-k // FP8_BLOCK), cfg.split_k)[0]
+    return split_plan(blocks(k), cfg.split_k)[0]
 
 
 def linear_fp8_partials(

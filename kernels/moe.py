@@ -49,6 +49,7 @@ import triton.language as tl
 from kernels.fp8 import (
     E4M3,
     bf16_rne,
+    blocks,
     check_quantized,
     check_tensor,
     live_count,
@@ -56,7 +57,7 @@ from kernels.fp8 import (
     quantize_groups,
 )
 from kernels.launch import launch_opts, pdl_enter
-from kernels.moe_launch import MoeLaunch, blocks, moe_launch
+from kernels.moe_launch import MoeLaunch, moe_launch
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
 
@@ -314,7 +315,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
         *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
-        K_BLOCKS=cfg.kblocks(g.hidden),
+        K_BLOCKS=cfg.k_blocks(g.hidden),
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
     )
     quant = a is None

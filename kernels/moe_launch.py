@@ -7,12 +7,7 @@ from dataclasses import dataclass
 
 import triton
 
-from reference.params import FP8_BLOCK
-
-
-def blocks(n: int) -> int:
-    """128-column FP8 blocks covering n columns."""
-    return -(-n // FP8_BLOCK)
+from kernels.fp8 import blocks
 
 
 @dataclass(frozen=True)
@@ -40,13 +35,13 @@ class MoeLaunch:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")
 
-    def kblocks(self, hidden: int) -> int:
+    def k_blocks(self, hidden: int) -> int:
         """128-column hidden blocks per gate/up K split at this hidden size."""
         return min(self.gate_up_k_blocks, blocks(hidden))
 
     def k_splits(self, hidden: int) -> int:
         """KS: gate/up partials per slot (hidden blocks of 128 columns, k_blocks each)."""
-        return -(-blocks(hidden) // self.kblocks(hidden))
+        return -(-blocks(hidden) // self.k_blocks(hidden))
 
 
 def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
