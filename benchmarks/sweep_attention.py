@@ -11,6 +11,7 @@ case and time. Used to choose the pinned configs in kernels/attention.py::pick_c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -35,7 +36,12 @@ from benchmarks.bench_attention import (  # noqa: E402
     _range,
     _time_pass,
 )
-from kernels.attention import AttentionConfig, attention, attention_split  # noqa: E402
+from kernels.attention import (  # noqa: E402
+    AttentionConfig,
+    attention,
+    attention_split,
+    pick_config,
+)
 from qualification.tolerances import check  # noqa: E402
 from reference.kv_layout import attention_ref  # noqa: E402
 
@@ -95,10 +101,11 @@ def time_config(case: Case, b: dict, cfg: AttentionConfig, reps: int) -> dict:
 def candidates(kind: str) -> list[AttentionConfig]:
     out = []
     splits = (16, 32, 66) if kind == "ring" else (66, 132, 264)
+    pinned = pick_config(D, _layout(kind).capacity, kind == "ring")  # its combine for every row
     for block_n, ns, stages, warps in itertools.product((64, 128), splits, (2, 3), (4, 8)):
-        out.append(AttentionConfig(block_n=block_n, num_splits=ns, min_tiles_per_split=2,
-                                   num_warps=warps, num_stages=stages, combine_heads=1,
-                                   combine_splits=32, combine_warps=4))
+        out.append(dataclasses.replace(pinned, block_n=block_n, num_splits=ns,
+                                       min_tiles_per_split=2, num_warps=warps,
+                                       num_stages=stages))
     return out
 
 
