@@ -15,7 +15,6 @@ Dimension letters as in iquestrt/ops.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F_
 
 from iquestrt.live import Live, host_seed
 from iquestrt.ops_kernels import ROLLBACK_ROWS
@@ -246,8 +245,8 @@ class TwinOps:
         return self.linear_bf16_f32(eh, weight, live, torch.bfloat16), pos_out
 
     def silu_mul_rows(self, g, u, live: Live):
-        act = _rows(live.n, lambda r: (F_.silu(g[r : r + 1].float())
-                                       * u[r : r + 1].float()).to(torch.bfloat16))
+        act = _rows(live.n, lambda r: ref_ops.silu_mul(g[r : r + 1], u[r : r + 1],
+                                                       torch.bfloat16))
         return _padded(act, g.shape[0], self.dev)
 
     def route_rows(self, x, router_w, top_k: int, live: Live):

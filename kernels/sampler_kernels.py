@@ -22,8 +22,8 @@ maximum is below τ cannot hold a winner: its candidates are not loaded, and loa
 Exactness. All sums are sequential fp32 loops in the reference's order; divisions use div_rn;
 the kernels launch with FMA contraction and libdevice flush-to-zero off. exp is the one
 primitive not pinned: libdevice `__nv_expf` on the GPU, NumPy's float32 exp under the
-interpreter (up to 3 ulp from torch's CPU exp). kernels/sampler.py `kernel_exp` exposes this
-exact exp so a test can replay the semantics bit for bit; against the torch.exp twin the
+interpreter (up to 3 ulp from the reference's FP64-rounded exp32). kernels/sampler.py `kernel_exp`
+exposes this exact exp so a test can replay the semantics bit for bit; against the exp32 twin the
 probabilities follow the tolerance row kernels.sampler.probs.
 """
 

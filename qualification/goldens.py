@@ -1,18 +1,24 @@
 """Golden digests of the CPU decode path: a change that alters them fails with the first
 differing round named. Updating them is explicit and records why:
 
-    python -m qualification.goldens --update --why "new synthetic weight scales (issue 2)"
+    python -m qualification.goldens --update --why "new synthetic weight scales"
 
 Digests cover output tokens, per-round drafts, acceptance counts and bonus flags — the values a
-scheduling change must preserve. Logit bits are left out on purpose, but the tokens still depend
-on the float kernels of the torch build and the CPU: the H200 host (torch 2.11, another CPU)
-produced other digests than the CI machines (torch 2.13). So the file keeps the primary goldens
-(`cases`, recorded on `platform`) and optional per-platform entries; a run compares against its
-own platform's entry when there is one, else against the primary, and a mismatch on another
-platform says so and names the command that records that platform's goldens (explicit, with a
-reason, like every update):
+scheduling change must preserve. Logit bits are left out on purpose. The tokens depend on the
+reference's float arithmetic, which is FP64 rounded once per op (reference/ops.py), so they do not
+depend on the CPU's code path: tests/test_platform_bits.py computes them under MKL_CBWR,
+ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY variants and requires one set of digests. (With FP32
+GEMMs and exps they did: an AMX host and an AVX-512 host with the same torch build gave other
+BF16 digests.) Limits: the synthetic weights come from torch.randn, whose non-vectorized path
+(ATEN_CPU_CAPABILITY=default, no AVX2) draws other normals, so such a build gets other weights;
+and another torch build may still differ. For that case the file keeps optional per-platform
+entries (torch build and machine) beside the primary goldens; a run compares against its own
+platform's entry when there is one, else against the primary, and a mismatch on another platform
+says so and names the command that records that platform's goldens (explicit, with a reason):
 
-    python -m qualification.goldens --update --this-platform --why "H200 host, torch 2.11"
+    python -m qualification.goldens --update --this-platform --why "torch 2.15 build"
+
+`python -m qualification.goldens --json` prints this machine's digests as JSON (no comparison).
 """
 
 from __future__ import annotations
@@ -113,11 +119,9 @@ def compare(got: dict[str, dict], want: dict[str, dict]) -> list[str]:
 
 
 def platform_key() -> str:
-    """What the digests depend on beyond the code: the torch build and the CPU's vector ISA."""
-    import torch
-
-    return (f"torch {torch.__version__} / {torch.backends.cpu.get_cpu_capability()} / "
-            f"{platform.machine()}")
+    """What the digests may depend on beyond the code: the torch build and the architecture (not
+    the CPU's vector ISA or BLAS path: module docstring)."""
+    return f"torch {torch.__version__} / {platform.machine()}"
 
 
 def expected(stored: dict, key: str) -> tuple[dict, str]:
@@ -148,13 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qualification.goldens", description=__doc__)
     ap.add_argument("--update", action="store_true", help="recompute and store the goldens")
     ap.add_argument("--why", help="required with --update: the reason, stored in the file")
+    ap.add_argument("--json", action="store_true",
+                    help="print this machine's digests as JSON and exit (no comparison)")
     ap.add_argument("--this-platform", action="store_true",
                     help="with --update: store an entry for this platform only (the primary "
                          "goldens stay)")
     a = ap.parse_args(argv)
     if a.this_platform and not a.update:
         ap.error("--this-platform applies to --update")
+    if a.json and (a.update or a.this_platform):
+        ap.error("--json prints digests only; it takes no --update")
     got, key = digests(), platform_key()
+    if a.json:
+        print(json.dumps(got, sort_keys=True))
+        return 0
     if a.update:
         if not a.why:
             ap.error("--update needs --why")

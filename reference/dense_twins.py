@@ -40,7 +40,7 @@ def linear_fp8_ref(x, weight, scale_inv, n_live=None, *, out_dtype=torch.bfloat1
     rounded once to out_dtype."""
     n = _n_live(n_live, x.shape[0])
     xd, wd = _fp8_operands(x, weight, scale_inv, n, dequant)
-    return (xd @ wd.t()).to(out_dtype)
+    return ops.round_to(ops.gemm(xd, wd), out_dtype)
 
 
 def linear_fp8_partials_ref(x, weight, scale_inv, n_live=None, *, splits: int):
@@ -53,8 +53,8 @@ def linear_fp8_partials_ref(x, weight, scale_inv, n_live=None, *, splits: int):
     if -(-k_blocks // kb) != splits:
         raise ValueError(f"splits: {splits} is not a split count of {k_blocks} column blocks")
     cols = kb * FP8_BLOCK
-    return torch.stack([xd[:, s * cols : (s + 1) * cols] @ wd[:, s * cols : (s + 1) * cols].t()
-                        for s in range(splits)])
+    return torch.stack([ops.gemm(xd[:, s * cols : (s + 1) * cols],
+                                 wd[:, s * cols : (s + 1) * cols]).float() for s in range(splits)])
 
 
 def reduce_splits_ref(partials: torch.Tensor, out_dtype=torch.bfloat16) -> torch.Tensor:

@@ -34,8 +34,9 @@ def dequant_block_ref(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """SiLU(g)·u in FP32, written as the kernel computes it: g / (1 + exp(−g)), then × u."""
-    return g / (1.0 + torch.exp(-g)) * u
+    """SiLU(g)·u in FP32, written as the kernel computes it: g / (1 + exp(−g)), then × u (exp as
+    ops.exp32, the FP32 exp whose bits do not depend on the CPU's code path)."""
+    return g / (1.0 + ops.exp32(-g)) * u
 
 
 def _slots_by_expert(ids: torch.Tensor):
@@ -72,8 +73,8 @@ def moe_gate_up_fp8_ref(
     a = torch.zeros(n * ids.shape[1], inter)
     for e, slots in _slots_by_expert(ids):
         w = dequant(fc[e], fc_scale_inv[e])  # [2I, H]
-        g = xs[slots] @ w[:inter].t()
-        u = xs[slots] @ w[inter:].t()
+        g = ops.gemm(xs[slots], w[:inter]).float()
+        u = ops.gemm(xs[slots], w[inter:]).float()
         a[slots] = silu_mul(g, u)
     return a
 
@@ -103,7 +104,7 @@ def moe_down_fp8_ref(
     ad = ops.dequant_act(*ops.quantize_act(a[: n * k].cpu()))  # [n·K, I]
     y = torch.zeros(n * k, proj.shape[1])  # [n·K, H]
     for e, slots in _slots_by_expert(ids):
-        y[slots] = ad[slots] @ dequant(proj[e], proj_scale_inv[e]).t()
+        y[slots] = ops.gemm(ad[slots], dequant(proj[e], proj_scale_inv[e])).float()
     w = weights[:n].cpu().float()
     y = y.view(n, k, -1)
     acc = torch.zeros(n, proj.shape[1])

@@ -3,8 +3,9 @@
 Rounding points in BF16 mode (one rounding at the end of each named value): every projection
 output, q/k after norm and after RoPE, attention output, each normalized vector, the residual
 sums h and out (target), the expert activations. Norms, softmax, router, sink correction and
-both lm_heads compute in FP32. The draft keeps its residual stream in FP32
-(`fp32_residual_connection`). In FP32 mode every value is FP32.
+both lm_heads compute in FP64 and round to FP32 (reference/ops.py: the bits then do not depend on
+the CPU's code path). The draft keeps its residual stream in FP32 (`fp32_residual_connection`).
+In FP32 mode every value is FP32.
 
 Matched mode ("matched": what the runtime computes, iquestrt/) is bf16-fold plus the runtime's
 quantization points, each one rounding, in this order:
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reference import ops
+from reference import fp8_ops, ops
 from reference.config import FULL, ModelConfig
 from reference.params import BLOCK, DRAFT_PREFIX, all_specs
 
@@ -173,8 +174,7 @@ class ReferenceModel:
                               p[pre + "mlp.down_proj.weight"])
         g = self._lin(x, pre + "mlp.gate_proj.weight")  # ops.swiglu's roundings, (m1) inputs
         u = self._lin(x, pre + "mlp.up_proj.weight")
-        act = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
-        return self._lin(act, pre + "mlp.down_proj.weight")
+        return self._lin(ops.silu_mul(g, u, x.dtype), pre + "mlp.down_proj.weight")
 
     def _moe_matched(self, pre: str, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor):
         """(m3) for one row: x [1, H], w [1, K] FP32, ids [1, K] → [1, H]."""
@@ -186,7 +186,7 @@ class ReferenceModel:
             e = int(ids[0, j])
             g = ops.linear(xd, fc[e, :inter], out_dtype=torch.float32)  # [1, I]
             u = ops.linear(xd, fc[e, inter:], out_dtype=torch.float32)
-            a[j : j + 1] = g / (1.0 + torch.exp(-g)) * u
+            a[j : j + 1] = fp8_ops.silu_mul(g, u)
         ad = ops.dequant_act(*ops.quantize_act(a))  # [K, I]
         acc = torch.zeros(1, x.shape[1])
         for j in range(k):

@@ -1,5 +1,14 @@
-"""Pure-torch oracles for every IQuest-Q1 operation. Boring on purpose: explicit FP32 upcasts,
-no fusion, one rounding to the output dtype at the end of each op.
+"""Pure-torch oracles for every IQuest-Q1 operation. Boring on purpose: no fusion, every op
+computed in FP64 and rounded once at its end — to FP32, then to the output dtype.
+
+Why FP64: the bits of an FP32 GEMM, exp or vectorized reduction on the CPU depend on the code
+path the CPU selects (MKL's sgemm kernels and VML exp under MKL_CBWR, AMX vs AVX-512 hosts, ATen's
+vector width), so an FP32 oracle's bits would be a property of the machine. In FP64 every product
+of FP32 (or BF16) inputs is exact and a sum's rounding error is ~2⁻⁵³ relative; rounded to FP32
+the result is the correctly rounded value on any code path, except when the exact value sits
+within that error of an FP32 rounding midpoint (≈ K·2⁻²⁹ per output of a K-term sum: for the
+qualification's models a few outputs per billion). tests/test_platform_bits.py holds the golden
+digests equal under the MKL / oneDNN / ATen settings that change FP32 results.
 
 Dimension letters: R rows (tokens), L keys in range, H hidden, Hq query heads, Hkv KV heads,
 D head dim, E experts, K top-k, I expert intermediate, V vocabulary.
@@ -14,16 +23,35 @@ from reference.params import FP8_BLOCK
 E4M3_MAX = 448.0
 
 
+def round_to(y: torch.Tensor, dtype) -> torch.Tensor:
+    """An FP64 result rounded to FP32, then to dtype (a BF16 output is rounded from FP32, as a
+    kernel's FP32 accumulator is)."""
+    return y.float().to(dtype)
+
+
+def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b[..., N, K]ᵀ in FP64 → FP64 [..., M, N]: exact products, a sum whose
+    bits survive rounding to FP32 on every BLAS code path (module docstring)."""
+    return a.double() @ b.double().transpose(-1, -2)
+
+
+def exp32(x: torch.Tensor) -> torch.Tensor:
+    """exp of FP32 x in FP64, rounded to FP32: the correctly rounded FP32 exp except at a
+    rounding midpoint, where torch's FP32 exp differs between MKL VML code paths."""
+    return torch.exp(x.double()).float()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=None) -> torch.Tensor:
-    """x · rsqrt(mean(x²) + eps) · weight over the last dim, in FP32 (plain weight, not 1 + w)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return y.to(out_dtype or x.dtype)
+    """x · rsqrt(mean(x²) + eps) · weight over the last dim (plain weight, not 1 + w), in FP64,
+    rounded once."""
+    xd = x.double()
+    y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return round_to(y, out_dtype or x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """x [R, in] @ weight[out, in]ᵀ with an FP32 product, rounded once to out_dtype."""
-    return (x.float() @ weight.float().t()).to(out_dtype or x.dtype)
+    """x [R, in] @ weight[out, in]ᵀ (gemm), rounded once to out_dtype."""
+    return round_to(gemm(x, weight), out_dtype or x.dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float):
@@ -65,7 +93,8 @@ def attention(
     scale: float,
     out_dtype=None,
 ) -> torch.Tensor:
-    """GQA attention with an optional learned sink key, in FP32. Returns [R, Hq, D].
+    """GQA attention with an optional learned sink key, in FP64, rounded once. Returns
+    [R, Hq, D].
 
     The sink enters through the log-sum-exp: O ← O · sigmoid(L − s), s = scale·⟨q_h, sink_k[g]⟩,
     g = h // (Hq / Hkv) — identical to softmax with one extra always-visible key of logit s
@@ -73,35 +102,35 @@ def attention(
     """
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
-    qf, kf, vf = q.float(), k.float(), v.float()
+    qf, kf, vf = q.double(), k.double(), v.double()
     kf = kf.repeat_interleave(group, dim=1)  # [L, Hq, D]
     vf = vf.repeat_interleave(group, dim=1)
-    scores = (qf.transpose(0, 1) @ kf.permute(1, 2, 0)) * scale  # [Hq, R, L]
+    scores = gemm(qf.transpose(0, 1), kf.transpose(0, 1)) * scale  # [Hq, R, L]
     mask = visible(q_pos, k_pos, window)  # [R, L]
     scores = scores.masked_fill(~mask[None], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [Hq, R]
     probs = torch.exp(scores - lse[..., None])
     out = (probs @ vf.transpose(0, 1)).transpose(0, 1)  # [R, Hq, D]
     if sink_k is not None:
-        sk = sink_k.float().repeat_interleave(group, dim=0)  # [Hq, D]
+        sk = sink_k.double().repeat_interleave(group, dim=0)  # [Hq, D]
         s = (qf * sk[None]).sum(-1).t() * scale  # [Hq, R]
         out = out * torch.sigmoid(lse - s).t()[..., None]
-    return out.to(out_dtype or q.dtype)
+    return round_to(out, out_dtype or q.dtype)
 
 
 def route(
     x: torch.Tensor, router_w: torch.Tensor, top_k: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP32 router: softmax over experts → top-k (ties: lower index first) → renormalize.
+    """Router: softmax over experts → top-k (ties: lower index first) → renormalize.
 
-    x [R, H] (upcast to FP32), router_w [E, H] → weights [R, K] FP32, ids [R, K] int64,
-    ordered by (probability desc, expert index asc).
+    x [R, H], router_w [E, H] → weights [R, K] FP32, ids [R, K] int64, ordered by (probability
+    desc, expert index asc). The probabilities are computed in FP64 and rounded to FP32 (the
+    top-k order is that of the FP32 values); the renormalization is FP64, rounded once.
     """
-    logits = x.float() @ router_w.float().t()  # [R, E]
-    probs = torch.softmax(logits, dim=-1)
+    probs = torch.softmax(gemm(x, router_w), dim=-1).float()  # [R, E]
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-    w = sorted_p[:, :top_k]
-    return w / w.sum(-1, keepdim=True), order[:, :top_k]
+    w = sorted_p[:, :top_k].double()
+    return (w / w.sum(-1, keepdim=True)).float(), order[:, :top_k]
 
 
 def swiglu(
@@ -110,8 +139,13 @@ def swiglu(
     """down(silu(gate(x)) · up(x)); each projection rounds to x.dtype, as a BF16 engine would."""
     g = linear(x, gate_w)
     u = linear(x, up_w)
-    act = (torch.nn.functional.silu(g.float()) * u.float()).to(x.dtype)
-    return linear(act, down_w)
+    return linear(silu_mul(g, u, x.dtype), down_w)
+
+
+def silu_mul(g: torch.Tensor, u: torch.Tensor, dtype) -> torch.Tensor:
+    """silu(g) · u in FP64, rounded once to dtype: the activation of swiglu."""
+    gd = g.double()
+    return round_to(gd * torch.sigmoid(gd) * u.double(), dtype)
 
 
 def moe(

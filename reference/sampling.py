@@ -22,9 +22,11 @@ fp32 sum, c_i its sequential fp32 running sums; the token is the first i with fl
 or the last support token if none (only fl rounding can leave u·Z ≥ Z).
 
 Every sum is sequential fp32 in a stated order, so a kernel working on the <= K candidates can
-reproduce the bits. The one operation not pinned to the bit is exp (libm / SLEEF / tl.exp may
-differ by an ulp); a kernel is compared to this reference after its own exp, or with a
-tolerance row. Logits may hold -inf (masked tokens, probability 0) but not NaN or +inf.
+reproduce the bits. The one operation not pinned to the bit is exp: here it is reference.ops.exp32
+(FP64 exp rounded to FP32, the same bits on every CPU code path), while a kernel's tl.exp or
+libdevice exp may differ by an ulp or a few; a kernel is compared to this reference after its own
+exp, or with a tolerance row. Logits may hold -inf (masked tokens, probability 0) but not NaN or
++inf.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from reference.config import ConfigError, SamplingDefaults
+from reference.ops import exp32
 from reference.rng import Purpose, uniforms
 
 
@@ -96,7 +99,7 @@ def served_candidates(
     k = params.top_k or V
     perm = order_desc(z, pos)[:, :k]  # [R, K] (z desc, index asc)
     zk = z.gather(1, perm)  # [R, K]
-    e = torch.exp(zk - zk[:, :1])  # [R, K]
+    e = exp32(zk - zk[:, :1])  # [R, K]
     p = e / seq_cumsum(e)[:, -1:]  # [R, K]
     again = order_desc(p, perm)  # [R, K] (p desc, index asc)
     ids, p = perm.gather(1, again), p.gather(1, again)

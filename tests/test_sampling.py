@@ -1,8 +1,8 @@
 """reference/sampling.py: the pinned served distribution and the inverse-CDF draw.
 
-Three kinds of oracle: a scalar numpy-float32 replay of the pinned semantics (bit-exact, exp
-taken from torch as the one unpinned primitive), a float64 oracle (values, tolerance row
-reference.served_distribution) and hand-worked cases (supports, orders, ties).
+Three kinds of oracle: a scalar numpy-float32 replay of the pinned semantics (bit-exact; exp in
+FP64 by math.exp, rounded to FP32: reference.ops.exp32's definition), a float64 oracle (values,
+tolerance row reference.served_distribution) and hand-worked cases (supports, orders, ties).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def served_fp32_oracle(x: Sequence[float], p: SP) -> dict[int, np.float32]:
     z = [F32(xi) / F32(p.temperature) for xi in x]
     order = sorted(range(V), key=lambda i: (-z[i], i))[: p.top_k or V]
     m = z[order[0]]
-    e = {i: F32(torch.exp(torch.tensor([z[i] - m], dtype=torch.float32)).item()) for i in order}
+    e = {i: F32(math.exp(float(z[i] - m))) for i in order}  # FP64 exp rounded to FP32 (exp32)
     s = F32(0)
     for i in order:
         s = F32(s + e[i])

@@ -39,6 +39,7 @@ from kernels.sampler import (
 )
 from qualification.tolerances import check, tolerance
 from reference.config import SamplingDefaults as SP
+from reference.ops import exp32
 from reference.rng import Purpose, uniforms
 from reference.sampling_twins import sample_ref
 from tests.test_sampling import _drop_crossing_token, served_f64
@@ -57,7 +58,8 @@ class Replay:
 
 
 def torch_exp(v: np.ndarray) -> np.ndarray:
-    return torch.exp(torch.from_numpy(v)).numpy()
+    """The twin's exp (reference.ops.exp32: FP64 exp rounded to FP32)."""
+    return exp32(torch.from_numpy(v)).numpy()
 
 
 def device_exp(device):
