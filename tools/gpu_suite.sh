@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU checks of a device call, each phase bounded, logs under $1 (default $OUT/gpu_suite):
+#   goldens   the CPU reference digests on this host (python -m qualification.goldens and
+#             tests/test_platform_bits.py: the same bits as the CI machines')
+#   n4        pytest -m gpu on 4 workers sharing the GPU
+#   serial    pytest -m gpu on one worker
+# Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
+set -uo pipefail
+out=${1:-$OUT/gpu_suite}; shift || true
+phases=${*:-goldens n4}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+git rev-parse HEAD > "$out/revision.txt" 2>/dev/null || true
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt"
+for phase in $phases; do
+  start=$(date +%s)
+  case $phase in
+    goldens)
+      timeout 120 python -m qualification.goldens 2>&1 | tee "$out/goldens.log"
+      timeout 240 python -m pytest -q -p no:cacheprovider tests/test_platform_bits.py 2>&1 \
+        | tail -15 | tee -a "$out/goldens.log" ;;
+    n4)
+      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
+        --benchmark-disable 2>&1 | tee "$out/gpu_n4.log" ;;
+    serial)
+      timeout 540 python -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 300 \
+        --benchmark-disable --durations 15 2>&1 | tee "$out/gpu_serial.log" ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+  echo "phase $phase: rc ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$out/phases.txt"
+done
