@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from iquestrt.capture import graph_capture
 from kernels.attention import AttentionConfig, attention, pick_config  # noqa: E402
 from kernels.kv_cache import KVLayout, LayerKV  # noqa: E402
 from qualification.tolerances import check  # noqa: E402
@@ -169,7 +170,7 @@ def run_case(case: Case, reps: int, config: AttentionConfig | None, seed: int = 
     with torch.cuda.stream(stream):
         kernel_pass()
         torch.cuda.synchronize()
-        with torch.cuda.graph(graph, stream=stream):
+        with graph_capture(graph, stream=stream):
             kernel_pass()
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from iquestrt.capture import graph_capture
 from kernels.sampler import (  # noqa: E402
     SampleOut,
     SamplerLaunch,
@@ -158,7 +159,7 @@ def time_graph(fn: Callable, warmup: int, reps: int) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         fn()
     return time_eager([graph.replay], warmup, reps)
 

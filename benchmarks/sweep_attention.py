@@ -36,6 +36,7 @@ from benchmarks.bench_attention import (  # noqa: E402
     _range,
     _time_pass,
 )
+from iquestrt.capture import graph_capture
 from kernels.attention import (  # noqa: E402
     AttentionConfig,
     attention,
@@ -50,7 +51,7 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
     fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with graph_capture(g):
         fn()
     return g
 

@@ -9,6 +9,8 @@ import statistics
 
 import torch
 
+from iquestrt.capture import graph_capture
+
 
 def capture_graph(calls, reps: int) -> torch.cuda.CUDAGraph:
     stream = torch.cuda.Stream()
@@ -19,7 +21,7 @@ def capture_graph(calls, reps: int) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         for j in range(reps):
             calls[j % len(calls)]()
     return graph

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from iquestrt.capture import graph_capture
 from iquestrt.device_loop import ConditionKernel, add_conditional, checked, new_handle
 
 Part = Callable[[], "torch.Tensor | None"]  # returns the [1] int32 flag "run the next part"
@@ -74,7 +75,7 @@ class CondGraph:
         """Capture fn with PyTorch (the shared pool) and add it to `graph` after deps."""
         g = torch.cuda.CUDAGraph(keep_graph=True)
         pool = self._captures[0].pool() if self._captures else None
-        with torch.cuda.graph(g, pool=pool):
+        with graph_capture(g, pool=pool):
             fn()
         self._captures.append(g)
         raw = self._driver.CUgraph(g.raw_cuda_graph())

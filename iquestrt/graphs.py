@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 
+from iquestrt.capture import graph_capture
 from iquestrt.cond_graph import CondGraph
 from iquestrt.device_loop import ConditionKernel
 from iquestrt.round import RoundProgram
@@ -122,7 +123,7 @@ def capture(program: RoundProgram, st: DeviceState) -> torch.cuda.CUDAGraph:
     st.done.fill_(1)
     _warm_up(program)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         program()
     st.done.copy_(done)
     return graph

@@ -3,6 +3,8 @@
 #   goldens   the CPU reference digests on this host (python -m qualification.goldens and
 #             tests/test_platform_bits.py: the same bits as the CI machines')
 #   n4        pytest -m gpu on 4 workers sharing the GPU
+#   n4b       the same again (a second order of the same tests)
+#   capture   tests/test_capture.py (a collection inside a capture, with and without the pause)
 #   serial    pytest -m gpu on one worker
 # Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
 set -uo pipefail
@@ -10,7 +12,8 @@ out=${1:-$OUT/gpu_suite}; shift || true
 phases=${*:-goldens n4}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-git rev-parse HEAD > "$out/revision.txt" 2>/dev/null || true
+# the device copy's git metadata can be stale: the caller names the revision it sent
+echo "${IQUESTRT_REVISION:-$(git rev-parse HEAD 2>/dev/null)}" > "$out/revision.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 python -c "import torch, triton; print(torch.__version__, triton.__version__)" >> "$out/gpu.txt"
 for phase in $phases; do
@@ -23,6 +26,12 @@ for phase in $phases; do
     n4)
       timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
         --benchmark-disable 2>&1 | tee "$out/gpu_n4.log" ;;
+    capture)
+      timeout 240 python -m pytest -q -p no:cacheprovider tests/test_capture.py 2>&1 \
+        | tail -5 | tee "$out/capture.log" ;;
+    n4b)
+      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
+        --benchmark-disable 2>&1 | tee "$out/gpu_n4b.log" ;;
     serial)
       timeout 540 python -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 300 \
         --benchmark-disable --durations 15 2>&1 | tee "$out/gpu_serial.log" ;;

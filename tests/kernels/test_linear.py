@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.linear import (
     LinearLaunch,
@@ -618,7 +619,7 @@ def test_cuda_graph_and_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         linear_fp8(xd, wd, sd, n, out=out, partials=part)
     for live in (3, 8, 1):
         out.copy_(poisoned((8, 1024), torch.bfloat16, device))

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8, moe_launch
 from qualification.tolerances import check, tolerance
@@ -514,7 +515,7 @@ def test_moe_cuda_graph_and_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         moe_fp8(d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, n, out=out)
     for live in (3, 8, 1):
         out.fill_(POISON)

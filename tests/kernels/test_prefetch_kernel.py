@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.prefetch import PrefetchBuffers, prefetch_experts, prefetch_launch
 from reference.prefetch import (
@@ -262,7 +263,7 @@ def test_tp8_graph_replay_matches_twin(device):
                                  device)
     prefetch_experts(xd, n_live, pd, fcd, fsd, case.m, 4, 5, buffers=buf)  # compile first
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         prefetch_experts(xd, n_live, pd, fcd, fsd, case.m, 4, 5, buffers=buf)
     block_n = prefetch_launch(case.experts).warm_block_n
     for n in (4, 5, 6):

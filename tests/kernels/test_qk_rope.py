@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.linear import LinearLaunch, linear_fp8, linear_fp8_partials
 from kernels.qk_rope import RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
@@ -374,7 +375,7 @@ def test_cuda_graph_and_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         qk_rope(qkv, qw, kw, pos, table, n, **args)
     for live in (3, 8):
         for t in outs:

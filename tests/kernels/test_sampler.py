@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.sampler import (
     MAX_TOP_K,
     SampleOut,
@@ -573,7 +574,7 @@ def test_cuda_graph_and_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         sample(x, params, seed, pos, n_live=n, out=out)
     for live, s, shift in ((3, 7, 0), (8, 2**40, 1000), (1, 11, 5)):
         for t in out:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.sampler import SamplerLaunch, sample, sample_from_candidates, topk_candidates
 from kernels.sampler_values import DeviceSampling
 from qualification.tolerances import check
@@ -77,7 +78,7 @@ def test_one_captured_graph_serves_requests_of_one_shape(device):
     ds = DeviceSampling.create(SP(), V_big, device)
     out = sample(x, ds, seed, pos)  # compile
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         sample(x, ds, seed, pos, out=out)
     for p, s in ((SP(0.6, 20, 0.8), 9), (SP(1.5, 20, 1.0), 2**40), (SP(1.0, 20, 0.95), 3)):
         ds.update(p, V_big)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail, tail_launch
 from qualification.tolerances import check, tolerance
@@ -349,7 +350,7 @@ def test_cuda_graph_replay_and_no_host_sync_gpu(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         both()
     for live in (3, 8, 1):
         for t in (out.h, out.f_in, out.weights):

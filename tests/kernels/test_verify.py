@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from iquestrt.capture import graph_capture
 from kernels.verify import VerifyOut, verify
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
@@ -279,7 +280,7 @@ def test_cuda_graph_and_no_host_sync(device):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with graph_capture(graph):
         verify(*dev, seed, first, n_drafts=nd, out=out)
     for s in range(6):
         new = sampled_round(D, 1000, SP(), 50 + s, spread=1.0)
