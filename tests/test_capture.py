@@ -76,7 +76,7 @@ holder["self"] = holder
 del old
 gc.set_threshold(1, 1, 1)
 g = torch.cuda.CUDAGraph()
-with {ctx}(g):
+with CTX(g):
     del holder
     junk = [[i] for i in range(20000)]
     x.mul_(2)
@@ -87,7 +87,7 @@ print("replayed", float(x[0]))
 
 
 def _capture_in_a_fresh_process(ctx: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CAPTURE.format(ctx=ctx)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-c", CAPTURE.replace("CTX", ctx)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
 
 
