@@ -24,6 +24,7 @@ from negative_controls import (  # noqa: E402
     combine_controls,
     e2e_controls,
     engine_controls,
+    kernel_controls,
     prefetch_controls,
     readiness_controls,
     rejection_controls,
@@ -45,6 +46,7 @@ ALL = (
     + engine_controls.CONTROLS
     + e2e_controls.CONTROLS
     + prefetch_controls.CONTROLS
+    + kernel_controls.CONTROLS
 )
 
 

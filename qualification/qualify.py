@@ -32,6 +32,7 @@ from qualification import (
     distribution_e2e,
     engine_cache_gate,
     goldens,
+    lockstep,
     prefetch_gate,
     readiness_gate,
     ring_gate,
@@ -127,6 +128,13 @@ def gate_bitexact_runtime(q: QualifyConfig, models) -> GateResult:
     ok, evidence = bitexact_gate.run()
     return GateResult("3b bit-exactness (runtime twins vs matched)", PASS if ok else FAIL,
                       "exact", evidence)
+
+
+def gate_lockstep(q: QualifyConfig, models) -> GateResult:
+    """Every production kernel call of the engine vs its twin on the identical inputs (quick:
+    the CPU shape with one round fewer, on either device)."""
+    ok, margin, evidence = lockstep.run(lockstep.LockstepConfig(new_tokens=2) if q.quick else None)
+    return GateResult("1b lockstep kernels vs twins", PASS if ok else FAIL, margin, evidence)
 
 
 def gate_width(q: QualifyConfig, models) -> GateResult:
@@ -243,6 +251,7 @@ def _not_built(name: str, why: str) -> Callable:
 GATES: tuple[Callable, ...] = (
     gate_reference_consistency,
     gate_runtime,
+    gate_lockstep,
     gate_stability,
     gate_goldens,
     gate_bitexact_runtime,
@@ -298,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         "revision": revision(),
         "command": " ".join(["python -m qualification.qualify", *(argv or sys.argv[1:])]),
         "model": models.description,
-        "models per gate": f"0, 1: {models.name}; 2: tiny (mini reported); 3, 3b: tiny; 3c, 3d, "
+        "models per gate": f"0, 1: {models.name}; 1b: mini; 2: tiny (mini reported); 3, 3b: tiny; "
+                           "3c, 3d, "
                            "3e, 4b, 5b, 7: mini",
         "seeds": {"weights": q.weights_seed, "tokens": q.tokens_seed},
         "environment": environment(),

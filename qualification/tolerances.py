@@ -453,6 +453,34 @@ _ROWS: tuple[Tolerance, ...] = (
         "exact-match acceptance; replacement drawn from p; bonus after a rejection; p/q "
         "inverted; RNG keyed without the position (tests/kernels/test_verify.py)",
     ),
+    # rows of the lockstep gate (qualification/lockstep.py) for values that are moved or
+    # rounded in one defined way, so exact
+    Tolerance(
+        "kernels.quantize_act", "e4m3", 0.0, 0.0,
+        "a producer's quantization of its output (the tails, the attention combine) is "
+        "reference.ops.quantize_act of the values it wrote: amax, amax / 448 and RNE to E4M3 "
+        "are single IEEE operations, so the E4M3 codes are bit-exact",
+        "amax divided by 240 instead of 448; a 128-column group offset dropped",
+    ),
+    Tolerance(
+        "kernels.quantize_act", "fp32", 0.0, 0.0,
+        "the scales of that quantization (amax / 448 per row and 128-column group, 1 for an "
+        "all-zero group) are bit-exact for the same reason",
+        "scales doubled (tests/test_engine_kernels.py::test_kernels_checks_are_sensitive)",
+    ),
+    Tolerance(
+        "kernels.draft_entry.positions", "int32", 0.0, 0.0,
+        "the draft entry's RoPE positions (base + r for live rows, -1 for padding) are integer "
+        "arithmetic",
+        "positions from the unsettled m + d + 1 after a rejection",
+    ),
+    Tolerance(
+        "kernels.eh_proj.fused", "bf16", 0.0, 0.0,
+        "kernels/eh_proj.py fuses the draft entry into the eh_proj GEMM's operand load: the "
+        "same values enter the same GEMM tiles in the same order as entry + linear, so the "
+        "output is bit-exact with the two kernels (compiled on the H200 and interpreted)",
+        "the hidden half's norm weight taken from the embedding half",
+    ),
     # kernels/residual_norm rows
     Tolerance(
         "kernels.residual_norm.exact", "bf16", 0.0, 0.0,

@@ -1,0 +1,167 @@
+"""Kernel-level negative controls: one-line mutations inside the production Triton kernels of
+kernels/ (never in the twins or the reference), each caught by gate 1b (the lockstep,
+qualification/lockstep.py) with a margin: the row it breaks measures ≥ MARGIN × its band, or an
+exact row mismatches.
+
+Mechanism: a copy of kernels/ in a temporary folder with the one line replaced (the line must
+occur exactly once in its file), and the gate run in a fresh Python process whose import path
+puts that copy first — so every user of the kernel, the engine and the twins' output types
+included, gets the mutant, and nothing is left patched in this process. The baseline runs the
+same way on the unmutated copy. Under the interpreter a run takes about a minute (the gate's
+CPU configuration); on a GPU the kernels compile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from negative_controls.control import Control
+
+REPO = Path(__file__).resolve().parents[1]
+MARGIN = 3.0  # what the gate measured must be ≥ 3 × its row's band (or an exact mismatch)
+TIMEOUT_S = 900
+
+GATE = """
+import json, os, sys, torch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+torch.set_num_threads(1)
+import kernels
+from qualification import lockstep
+v = lockstep.verdict()
+print(json.dumps({"ok": v.ok, "margin": v.margin, "worst": v.worst_used,
+                  "evidence": v.evidence, "kernels": kernels.__file__}))
+"""
+
+
+@dataclass(frozen=True)
+class KernelMutation:
+    name: str
+    file: str  # under kernels/
+    old: str  # one whole line, exactly once in the file
+    new: str
+    mutation: str  # what is broken, in one sentence
+
+
+def _run_gate(mutation: KernelMutation | None) -> dict:
+    """The lockstep gate in a fresh process on a copy of kernels/ (mutated when given)."""
+    with tempfile.TemporaryDirectory(prefix="kernel-control-") as tmp:
+        dst = Path(tmp) / "kernels"
+        shutil.copytree(REPO / "kernels", dst, ignore=shutil.ignore_patterns("__pycache__"))
+        if mutation is not None:
+            path = dst / mutation.file
+            text = path.read_text()
+            if text.count(mutation.old + "\n") != 1:
+                raise ValueError(f"{mutation.name}: the line {mutation.old.strip()!r} occurs "
+                                 f"{text.count(mutation.old + chr(10))} times in "
+                                 f"kernels/{mutation.file} (exactly once wanted)")
+            path.write_text(text.replace(mutation.old + "\n", mutation.new + "\n"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([tmp, str(REPO)])}
+        res = subprocess.run([sys.executable, "-c", GATE], cwd=tmp, env=env,
+                             capture_output=True, text=True, timeout=TIMEOUT_S)
+        if res.returncode != 0:
+            raise RuntimeError(f"gate process exited {res.returncode}: {res.stderr[-1500:]}")
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        if not out["kernels"].startswith(tmp):
+            raise RuntimeError(f"the gate imported {out['kernels']}, not the copy in {tmp}")
+        return out
+
+
+@lru_cache(maxsize=1)
+def _baseline() -> tuple[bool, tuple[str, ...]]:
+    out = _run_gate(None)
+    return out["ok"], tuple(out["evidence"])
+
+
+def _control(m: KernelMutation) -> Control:
+    def run(mutated: bool) -> tuple[bool, list[str]]:
+        if not mutated:
+            ok, ev = _baseline()
+            return ok, list(ev)
+        out = _run_gate(m)
+        worst = out["worst"]
+        strong = worst is None or worst >= MARGIN  # None: an exact row mismatched (inf)
+        if out["ok"]:
+            return True, [f"gate passed the mutant: {out['margin']}"]
+        share = "exact row mismatch" if worst is None else f"{worst:.1f}× its band"
+        if not strong:
+            return True, [f"FAILED the gate but below the {MARGIN:g}× margin: {share}; "
+                          f"{out['margin']}"]
+        return False, [f"FAILS: {share} ({out['margin']})"]
+
+    return Control(m.name, "1b lockstep kernels vs twins", m.mutation, run)
+
+
+MUTATIONS = (
+    KernelMutation(
+        "kq_quantizer_divides_by_240", "fp8.py",
+        "    scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)),"
+        " 1.0)",
+        "    scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 240.0, tl.float32)),"
+        " 1.0)",
+        "the activation quantizer's scale is amax / 240 instead of amax / 448"),
+    KernelMutation(
+        "kq_moe_gate_scale_from_next_k_block", "moe.py",
+        "        sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm"
+        " & bm,",
+        "        sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128 + 1) * stride_sk, mask=cm"
+        " & bm,",
+        "MoE gate/up: the gate weights' scale read from the next 128-column block"),
+    KernelMutation(
+        "kq_attention_causal_boundary_off_by_one", "attention.py",
+        "    ok = (p[None, :] >= lo[:, None]) & (p[None, :] <= pos[:, None]) & live[:, None]",
+        "    ok = (p[None, :] >= lo[:, None]) & (p[None, :] < pos[:, None]) & live[:, None]",
+        "split-KV attention: a row does not see its own key (causal boundary < instead of <=)"),
+    KernelMutation(
+        "kq_combine_sink_of_next_kv_group", "attention_combine.py",
+        "        sk = tl.load(sink_ptr + (h // G)[:, None] * s_sk + d[None, :], mask=hmask[:,"
+        " None],",
+        "        sk = tl.load(sink_ptr + ((h // G) ^ 1)[:, None] * s_sk + d[None, :],"
+        " mask=hmask[:, None],",
+        "split-KV combine: query head h takes the sink key of the other KV group (h // G xor 1)"),
+    KernelMutation(
+        "kq_kv_write_ring_slot_shifted", "kv_cache.py",
+        "        slot = pos % C",
+        "        slot = (pos + 1) % C",
+        "KV write: a ring position lands one slot further on"),
+    KernelMutation(
+        "kq_combine_rescale_dropped", "attention_combine.py",
+        "        w = tl.exp2((lse - mx[None, :]) * LOG2E)",
+        "        w = tl.exp2((lse - lse) * LOG2E)",
+        "split-KV combine: the splits are averaged without the exp(lse − M) rescale"),
+    KernelMutation(
+        "kq_tail_residual_scale_dropped", "tails.py",
+        "    h32 = xn + an * scale",
+        "    h32 = xn + an",
+        "attention tail: the normalized attention output added without attn_out_scale"),
+    KernelMutation(
+        "kq_tail_norm_eps_doubled", "tails.py",
+        "    return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))",
+        "    return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + 1e-2))",
+        "residual/norm tails: RMSNorm with eps 1e-2 instead of the model's"),
+    KernelMutation(
+        "kq_moe_tail_scale_dropped", "tails.py",
+        "    x = _bf16(h + f * scale)",
+        "    x = _bf16(h + f)",
+        "MoE tail: the experts' output added without ffn_out_scale"),
+    KernelMutation(
+        "kq_verify_acceptance_doubled", "verify.py",
+        "    rejected = live & ~(u_acc * q_d < p_d)",
+        "    rejected = live & ~(u_acc * q_d < 2.0 * p_d)",
+        "verify: a draft is accepted when u·q < 2p (acceptance doubled)"),
+    KernelMutation(
+        "kq_sampler_top_p_cut_drops_crossing_token", "sampler_kernels.py",
+        "    keep = valid & ((rp <= first) | ~cut)  # a cut keeps the token that crosses top_p",
+        "    keep = valid & ((rp < first) | ~cut)  # a cut keeps the token that crosses top_p",
+        "sampler: the top-p cut drops the token that crosses top_p"),
+)
+
+CONTROLS = tuple(_control(m) for m in MUTATIONS)
