@@ -109,7 +109,7 @@ def run(g: DepthPolicyGateConfig | None = None) -> tuple[bool, str, list[str]]:
                      f"{dict(sorted(depths.items()))}, {t.decisions} decisions compared "
                      f"({t.more} more, {t.decisions - t.more} stop) + {t.forced} forced")
     ok = not ev
-    ops = eng.rcfg.ops + (" with CUDA graphs" if eng.rcfg.graphs else "")
+    ops = "kernels with CUDA graphs" if device_engine.on_gpu() else "twins"
     ev.append(f"{ops}, {len(prompts)} prompts x {g.new_tokens} tokens: " + "; ".join(facts)
               + ("; every device decision equals the reference's" if ok else ""))
     return ok, f"closest decision |s - threshold| = {closest:.3g}", ev

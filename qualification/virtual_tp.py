@@ -26,7 +26,7 @@ W served width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -45,7 +45,6 @@ class ShardLog:
     straddling: int = 0  # live rows whose served candidates come from >= 2 shards
     cut_ties: int = 0  # live rows whose K-th and (K+1)-th merged keys tie across shards
     mismatch: str | None = None  # the first call whose sharded result differs
-    by_purpose: dict = field(default_factory=dict)
 
 
 def _differs(a: SampleOut, b: SampleOut, n: int) -> str | None:
@@ -100,7 +99,6 @@ class VirtualShardOps:
                 log.mismatch = f"{where}: sharded vs unsharded sampler: {bad}"
         log.calls += 1
         log.rows += n
-        log.by_purpose[purpose.name] = log.by_purpose.get(purpose.name, 0) + n
         width = len(self.ranks[0].shard)
         ids, probs = outs[0].ids[:n].cpu(), outs[0].probs[:n].cpu()  # [n, W]
         for row_ids, row_p in zip(ids, probs, strict=True):
