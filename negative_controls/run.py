@@ -22,6 +22,7 @@ import time  # noqa: E402
 from iquestrt.engine import EngineError  # noqa: E402
 from negative_controls import (  # noqa: E402
     combine_controls,
+    coverage_controls,
     e2e_controls,
     engine_controls,
     kernel_controls,
@@ -46,6 +47,7 @@ ALL = (
     + engine_controls.CONTROLS
     + e2e_controls.CONTROLS
     + prefetch_controls.CONTROLS
+    + coverage_controls.CONTROLS
     + kernel_controls.CONTROLS
 )
 

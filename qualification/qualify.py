@@ -28,6 +28,7 @@ from pathlib import Path
 from qualification import (
     acceptance_gate,
     bitexact_gate,
+    depth_policy_gate,
     distribution,
     distribution_e2e,
     engine_cache_gate,
@@ -35,11 +36,14 @@ from qualification import (
     lockstep,
     prefetch_gate,
     readiness_gate,
+    reuse_gate,
     ring_gate,
     runtime_gate,
     sampler_gate,
     schedule_gate,
+    seed_gate,
     stability,
+    tp_sampling_gate,
     width_gate,
 )
 from qualification.gate_models import MODELS, GateModels, QualifyConfig, _models, _tiny
@@ -156,6 +160,30 @@ def gate_schedule(q: QualifyConfig, models) -> GateResult:
     return GateResult("3e scheduling pairs (GPU)", verdict, margin, evidence)
 
 
+def gate_reuse(q: QualifyConfig, models) -> GateResult:
+    """A reused engine serving other sampling values, budget, stop ids and seed == a fresh one."""
+    ok, margin, evidence = reuse_gate.run()
+    return GateResult("3f engine reuse", PASS if ok else FAIL, margin, evidence)
+
+
+def gate_seed_width(q: QualifyConfig, models) -> GateResult:
+    """Seeds differing only in bit 32, 48 or 63 give different streams; a seed reproduces."""
+    ok, margin, evidence = seed_gate.run()
+    return GateResult("6b seed width", PASS if ok else FAIL, margin, evidence)
+
+
+def gate_tp_sampling(q: QualifyConfig, models) -> GateResult:
+    """Sharded sampling on 2, 4, 8 virtual ranks == unsharded, end to end through the engine."""
+    ok, margin, evidence = tp_sampling_gate.run()
+    return GateResult("6c TP sharded sampling (engine)", PASS if ok else FAIL, margin, evidence)
+
+
+def gate_depth_policy(q: QualifyConfig, models) -> GateResult:
+    """The adaptive depth decisions taken on the device == the reference policy's, every round."""
+    ok, margin, evidence = depth_policy_gate.run()
+    return GateResult("7b adaptive depth decisions", PASS if ok else FAIL, margin, evidence)
+
+
 def gate_engine_caches(q: QualifyConfig, models) -> GateResult:
     """After every round the engine's caches equal caches that never saw a rejected row."""
     ok, margin, evidence = engine_cache_gate.run()
@@ -259,11 +287,15 @@ GATES: tuple[Callable, ...] = (
     gate_prefetch,
     gate_schedule,
     gate_rings,
+    gate_reuse,
     gate_engine_caches,
     gate_distribution,
     gate_distribution_e2e,
     gate_sampler,
+    gate_seed_width,
+    gate_tp_sampling,
     gate_acceptance,
+    gate_depth_policy,
     gate_readiness,
 )
 
@@ -309,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": models.description,
         "models per gate": f"0, 1: {models.name}; 1b: mini; 2: tiny (mini reported); 3, 3b: tiny; "
                            "3c, 3d, "
-                           "3e, 4b, 5b, 7: mini",
+                           "3e, 3f, 4b, 5b, 6b, 6c, 7, 7b: mini",
         "seeds": {"weights": q.weights_seed, "tokens": q.tokens_seed},
         "environment": environment(),
     }
