@@ -91,7 +91,8 @@ def _control(m: KernelMutation) -> Control:
         strong = worst is None or worst >= MARGIN  # None: an exact row mismatched (inf)
         if out["ok"]:
             return True, [f"gate passed the mutant: {out['margin']}"]
-        share = "mismatch (an exact row, or non-finite values)" if worst is None else f"{worst:.1f}× its band"
+        share = ("mismatch (an exact row, or non-finite values)" if worst is None
+                 else f"{worst:.1f}× its band")
         if not strong:
             return True, [f"FAILED the gate but below the {MARGIN:g}× margin: {share}; "
                           f"{out['margin']}"]
