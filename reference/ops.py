@@ -6,9 +6,10 @@ path the CPU selects (MKL's sgemm kernels and VML exp under MKL_CBWR, AMX vs AVX
 vector width), so an FP32 oracle's bits would be a property of the machine. In FP64 every product
 of FP32 (or BF16) inputs is exact and a sum's rounding error is ~2⁻⁵³ relative; rounded to FP32
 the result is the correctly rounded value on any code path, except when the exact value sits
-within that error of an FP32 rounding midpoint (≈ K·2⁻²⁹ per output of a K-term sum: for the
-qualification's models a few outputs per billion). tests/test_platform_bits.py holds the golden
-digests equal under the MKL / oneDNN / ATen settings that change FP32 results.
+within that error of an FP32 rounding midpoint (a chance of about K·2⁻²⁹ per output of a K-term
+sum, ~1e-7 at K = 64, and such a one-ulp difference must then also change a token). In FP32 every
+output differed between code paths. tests/test_platform_bits.py holds the golden digests equal
+under the MKL / oneDNN / ATen settings that change FP32 results.
 
 Dimension letters: R rows (tokens), L keys in range, H hidden, Hq query heads, Hkv KV heads,
 D head dim, E experts, K top-k, I expert intermediate, V vocabulary.
