@@ -173,14 +173,17 @@ def gate_seed_width(q: QualifyConfig, models) -> GateResult:
 
 
 def gate_tp_sampling(q: QualifyConfig, models) -> GateResult:
-    """Sharded sampling on 2, 4, 8 virtual ranks == unsharded, end to end through the engine."""
-    ok, margin, evidence = tp_sampling_gate.run()
+    """Sharded sampling on 2, 4, 8 virtual ranks (quick: 8) == unsharded, through the engine."""
+    quick = tp_sampling_gate.TPSamplingGateConfig(worlds=(8,)) if q.quick else None
+    ok, margin, evidence = tp_sampling_gate.run(quick)
     return GateResult("6c TP sharded sampling (engine)", PASS if ok else FAIL, margin, evidence)
 
 
 def gate_depth_policy(q: QualifyConfig, models) -> GateResult:
-    """The adaptive depth decisions taken on the device == the reference policy's, every round."""
-    ok, margin, evidence = depth_policy_gate.run()
+    """The adaptive depth decisions on the device == the reference policy's, every round (quick:
+    one prompt)."""
+    quick = depth_policy_gate.DepthPolicyGateConfig(kinds=("completion",)) if q.quick else None
+    ok, margin, evidence = depth_policy_gate.run(quick)
     return GateResult("7b adaptive depth decisions", PASS if ok else FAIL, margin, evidence)
 
 
