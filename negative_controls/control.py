@@ -8,6 +8,7 @@ A control is caught when its baseline passes and its mutated run does not.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -17,3 +18,30 @@ class Control:
     gate: str  # the gate of `nox -s qualify` that must catch it
     mutation: str  # what is broken, in one sentence
     run: Callable[[bool], tuple[bool, list[str]]]
+
+
+@contextmanager
+def patched(owner, **attrs):
+    """owner's attributes replaced by attrs inside the block, restored on exit (also when the
+    block raises)."""
+    real = {name: getattr(owner, name) for name in attrs}
+    for name, fn in attrs.items():
+        setattr(owner, name, fn)
+    try:
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(owner, name, fn)
+
+
+def gated(run, mutant) -> Callable[[bool], tuple[bool, list[str]]]:
+    """A Control's run: the gate `run()` → (ok, margin, evidence) as is, or inside `mutant()`."""
+    def gate(mutated: bool):
+        if not mutated:
+            ok, _, ev = run()
+            return ok, ev
+        with mutant():
+            ok, _, ev = run()
+        return ok, ev
+
+    return gate

@@ -30,7 +30,7 @@ import torch
 from iquestrt.state import DeviceState
 from iquestrt.tp.sampling import EMPTY, KernelShardSteps, TwinShardSteps, key_values, key_width
 from kernels.sampler_values import DeviceSampling
-from negative_controls.control import Control
+from negative_controls.control import Control, gated, patched
 from qualification import depth_policy_gate, reuse_gate, seed_gate, tp_sampling_gate
 from reference import rng
 from reference.depth import AdaptiveDepth
@@ -38,16 +38,6 @@ from reference.depth import AdaptiveDepth
 THRESHOLD_SHIFT = 1 / 16  # flips the mini decisions within 1/16 above the threshold
 
 
-@contextmanager
-def _patched(owner, **attrs):
-    real = {name: getattr(owner, name) for name in attrs}
-    for name, fn in attrs.items():
-        setattr(owner, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(owner, name, fn)
 
 
 @contextmanager
@@ -55,7 +45,7 @@ def reused_engine_keeps_sampling_values():
     def update(self, params, vocab):
         pass
 
-    with _patched(DeviceSampling, update=update):
+    with patched(DeviceSampling, update=update):
         yield
 
 
@@ -68,7 +58,7 @@ def reused_engine_keeps_stop_ids():
         real(self, req, vocab)
         self.stop.copy_(torch.where(self.stop == -2, kept, self.stop))
 
-    with _patched(DeviceState, begin=begin):
+    with patched(DeviceState, begin=begin):
         yield
 
 
@@ -79,7 +69,7 @@ def seed_low_32_bits():
     def split_seed(seed):
         return real(seed)[0], 0
 
-    with _patched(rng, split_seed=split_seed):
+    with patched(rng, split_seed=split_seed):
         yield
 
 
@@ -91,7 +81,7 @@ def device_seed_bit_63_dropped():
         real(self, req, vocab)
         self.seed.fill_(req.seed & (2**63 - 1))
 
-    with _patched(DeviceState, begin=begin):
+    with patched(DeviceState, begin=begin):
         yield
 
 
@@ -156,42 +146,32 @@ def device_depth_threshold_raised():
         shifted = dataclasses.replace(self, threshold=self.threshold + THRESHOLD_SHIFT)
         return real(shifted, n, feat, table)
 
-    with _patched(AdaptiveDepth, more_batch=more_batch):
+    with patched(AdaptiveDepth, more_batch=more_batch):
         yield
 
 
-def _gate(run, mutant):
-    def gate(mutated: bool):
-        if not mutated:
-            ok, _, ev = run()
-            return ok, ev
-        with mutant():
-            ok, _, ev = run()
-        return ok, ev
-
-    return gate
 
 
 CONTROLS = (
     Control("reused_engine_keeps_sampling_values", "3f engine reuse",
             "a reused engine keeps the first request's temperature and top-p",
-            _gate(reuse_gate.run, reused_engine_keeps_sampling_values)),
+            gated(reuse_gate.run, reused_engine_keeps_sampling_values)),
     Control("reused_engine_keeps_stop_ids", "3f engine reuse",
             "a reused engine keeps the previous request's stop ids",
-            _gate(reuse_gate.run, reused_engine_keeps_stop_ids)),
+            gated(reuse_gate.run, reused_engine_keeps_stop_ids)),
     Control("seed_low_32_bits", "6b seed width",
             "the Philox key takes the seed's low 32 bits only",
-            _gate(seed_gate.run, seed_low_32_bits)),
+            gated(seed_gate.run, seed_low_32_bits)),
     Control("device_seed_bit_63_dropped", "6b seed width",
             "the device state stores the seed with bit 63 cleared",
-            _gate(seed_gate.run, device_seed_bit_63_dropped)),
+            gated(seed_gate.run, device_seed_bit_63_dropped)),
     Control("sharded_merge_drops_last_shard", "6c TP sharded sampling (engine)",
             "the sharded sampler's merge ignores the last rank's candidates",
-            _gate(tp_sampling_gate.run, sharded_merge_drops_last_shard)),
+            gated(tp_sampling_gate.run, sharded_merge_drops_last_shard)),
     Control("sharded_ties_to_higher_shard", "6c TP sharded sampling (engine)",
             "the sharded sampler's merge breaks ties of equal z toward the higher shard",
-            _gate(tp_sampling_gate.run, sharded_ties_to_higher_shard)),
+            gated(tp_sampling_gate.run, sharded_ties_to_higher_shard)),
     Control("device_depth_threshold_raised", "7b adaptive depth decisions",
             "the device's adaptive-depth control step compares with threshold + 1/16",
-            _gate(depth_policy_gate.run, device_depth_threshold_raised)),
+            gated(depth_policy_gate.run, device_depth_threshold_raised)),
 )

@@ -28,20 +28,8 @@ import torch
 
 from iquestrt.ops import TwinOps
 from iquestrt.round import RoundProgram
-from negative_controls.control import Control
+from negative_controls.control import Control, gated, patched
 from qualification import acceptance_gate, engine_cache_gate, width_gate
-
-
-@contextmanager
-def _patched(owner, **attrs):
-    real = {name: getattr(owner, name) for name in attrs}
-    for name, fn in attrs.items():
-        setattr(owner, name, fn)
-    try:
-        yield
-    finally:
-        for name, fn in real.items():
-            setattr(owner, name, fn)
 
 
 @contextmanager
@@ -68,7 +56,7 @@ def draft_depth_state_not_advanced():
             raise RuntimeError("draft_depth_state_not_advanced: the round never called "
                                "DraftModel.forward_entry; the mutation no longer reaches the draft")
 
-    with _patched(RoundProgram, __call__=call):
+    with patched(RoundProgram, __call__=call):
         yield
 
 
@@ -81,7 +69,7 @@ def rollback_skipped_after_ring_wrap():
             return
         real(self, cache, keep, written)
 
-    with _patched(TwinOps, rollback=rollback):
+    with patched(TwinOps, rollback=rollback):
         yield
 
 
@@ -105,7 +93,7 @@ def stale_rope_position_after_rollback():
         stale = torch.where(positions >= 0, positions + shift[0], positions)
         return real_rope(self, parts, q_norm, k_norm, stale, *rest, **kw)
 
-    with _patched(RoundProgram, __call__=call), _patched(TwinOps, qk_rope=qk_rope):
+    with patched(RoundProgram, __call__=call), patched(TwinOps, qk_rope=qk_rope):
         yield
 
 
@@ -120,20 +108,10 @@ def padding_row_leaks_into_live_rows():
             base[n - 1] = ((base[n - 1].float() + base[n].float()) / 2).to(base.dtype)
         return real(self, parts, base, *args, **kw)
 
-    with _patched(TwinOps, attn_tail=attn_tail):
+    with patched(TwinOps, attn_tail=attn_tail):
         yield
 
 
-def _gate(run, mutant):
-    def gate(mutated: bool):
-        if not mutated:
-            ok, _, ev = run()
-            return ok, ev
-        with mutant():
-            ok, _, ev = run()
-        return ok, ev
-
-    return gate
 
 
 CONTROLS = (
@@ -142,26 +120,26 @@ CONTROLS = (
         "7 acceptance",
         "draft depths >= 2 are fed depth 1's input (y_1 and depth 0's hidden) at their own "
         "positions: the recursive draft state is not advanced (acceptance-only)",
-        _gate(acceptance_gate.run, draft_depth_state_not_advanced),
+        gated(acceptance_gate.run, draft_depth_state_not_advanced),
     ),
     Control(
         "rollback_skipped_after_ring_wrap",
         "4b engine cache settlement",
         "KV rollback does nothing on a ring once a write has gone past its last slot",
-        _gate(engine_cache_gate.run, rollback_skipped_after_ring_wrap),
+        gated(engine_cache_gate.run, rollback_skipped_after_ring_wrap),
     ),
     Control(
         "stale_rope_position_after_rollback",
         "4b engine cache settlement",
         "after a round with rejections, the next round's RoPE positions come from the unsettled "
         "m + d + 1 instead of m + a + 1 (slots and masks right)",
-        _gate(engine_cache_gate.run, stale_rope_position_after_rollback),
+        gated(engine_cache_gate.run, stale_rope_position_after_rollback),
     ),
     Control(
         "padding_row_leaks_into_live_rows",
         "3c padded vs exact width",
         "layer 0's attention tail averages the last live row's residual with the next buffer "
         "row (a padding row whenever the buffer is wider than the live rows)",
-        _gate(width_gate.run, padding_row_leaks_into_live_rows),
+        gated(width_gate.run, padding_row_leaks_into_live_rows),
     ),
 )

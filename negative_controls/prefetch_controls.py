@@ -10,8 +10,7 @@ import torch
 
 from iquestrt.ops import KernelOps, TwinOps
 from iquestrt.prefetch import Prefetcher
-from negative_controls.control import Control
-from negative_controls.engine_controls import _patched
+from negative_controls.control import Control, patched
 from qualification import prefetch_gate
 from reference.prefetch import prefetch_experts_ref
 
@@ -41,9 +40,9 @@ def prefetch_overrides_routing():
         return attn_tail
 
     # both op sets: the twins on the CPU, the kernels (with real prefetch launches) on a GPU
-    with _patched(Prefetcher, maybe_prefetch=maybe_prefetch), \
-            _patched(TwinOps, attn_tail=overriding(TwinOps.attn_tail)), \
-            _patched(KernelOps, attn_tail=overriding(KernelOps.attn_tail)):
+    with patched(Prefetcher, maybe_prefetch=maybe_prefetch), \
+            patched(TwinOps, attn_tail=overriding(TwinOps.attn_tail)), \
+            patched(KernelOps, attn_tail=overriding(KernelOps.attn_tail)):
         yield
     if not used:
         raise RuntimeError("prefetch_overrides_routing: the mutant never replaced a routing "
