@@ -1,6 +1,6 @@
 """The coverage gates fail on planted defects with evidence naming them (the mutants of
 negative_controls/coverage_controls.py, restored on exit). That they pass unmutated, with
-evidence, is qualify --quick's check (tests/test_qualify_quick.py).
+evidence, is qualify --quick's check (tests/test_qualification.py).
 Engine reuse and seed width.
 
 Each gate run decodes the mini model several times (10–25 s on one CPU thread, twins)."""
