@@ -6,15 +6,8 @@ Engine reuse and seed width.
 Each gate run decodes the mini model several times (10–25 s on one CPU thread, twins)."""
 
 from negative_controls import coverage_controls as cc
+from negative_controls.control import gated
 from qualification import reuse_gate, seed_gate
-
-
-def _run(gate, mutant=None):
-    if mutant is None:
-        return gate.run()
-    with mutant():
-        return gate.run()
-
 
 # --- engine reuse ------------------------------------------------------------------------------
 
@@ -22,7 +15,7 @@ def _run(gate, mutant=None):
 
 
 def test_reuse_gate_fails_when_the_sampling_values_are_kept():
-    ok, _, ev = _run(reuse_gate, cc.reused_engine_keeps_sampling_values)
+    ok, ev = gated(reuse_gate.run, cc.reused_engine_keeps_sampling_values)(True)
     assert not ok
     assert ev[0].startswith("request 2 (") and "T 0.7" in ev[0], ev
     assert "tokens differ from a fresh engine's from token" in ev[0], ev
@@ -30,7 +23,7 @@ def test_reuse_gate_fails_when_the_sampling_values_are_kept():
 
 
 def test_reuse_gate_fails_when_the_stop_ids_are_kept():
-    ok, _, ev = _run(reuse_gate, cc.reused_engine_keeps_stop_ids)
+    ok, ev = gated(reuse_gate.run, cc.reused_engine_keeps_stop_ids)(True)
     assert not ok
     # request 3 emits request 2's stop id 282: the device ends it where the host does not
     assert len(ev) == 2 and ev[0].startswith("request 3 (") and "stop ids [4]" in ev[0], ev
@@ -43,7 +36,7 @@ def test_reuse_gate_fails_when_the_stop_ids_are_kept():
 
 
 def test_seed_gate_fails_on_a_seed_cut_to_32_bits():
-    ok, _, ev = _run(seed_gate, cc.seed_low_32_bits)
+    ok, ev = gated(seed_gate.run, cc.seed_low_32_bits)(True)
     assert not ok
     for bit in (32, 48, 63):
         assert any(e.startswith(f"bit {bit}: seeds 0x2545f4914f6cdd1d and ")
@@ -52,7 +45,7 @@ def test_seed_gate_fails_on_a_seed_cut_to_32_bits():
 
 
 def test_seed_gate_fails_when_the_device_drops_bit_63():
-    ok, _, ev = _run(seed_gate, cc.device_seed_bit_63_dropped)
+    ok, ev = gated(seed_gate.run, cc.device_seed_bit_63_dropped)(True)
     assert not ok
     bad = ev[:-1]
     assert bad and all(e.startswith("seed 0xa545f4914f6cdd1d: ") for e in bad), ev

@@ -6,15 +6,8 @@ TP sharded sampling and the depth policy.
 Each gate run decodes the mini model several times (10–25 s on one CPU thread, twins)."""
 
 from negative_controls import coverage_controls as cc
+from negative_controls.control import gated
 from qualification import depth_policy_gate, tp_sampling_gate
-
-
-def _run(gate, mutant=None):
-    if mutant is None:
-        return gate.run()
-    with mutant():
-        return gate.run()
-
 
 # --- tensor-parallel sharded sampling ------------------------------------------------------------
 
@@ -22,7 +15,7 @@ def _run(gate, mutant=None):
 
 
 def test_tp_sampling_gate_fails_when_the_merge_drops_the_last_shard():
-    ok, _, ev = _run(tp_sampling_gate, cc.sharded_merge_drops_last_shard)
+    ok, ev = gated(tp_sampling_gate.run, cc.sharded_merge_drops_last_shard)(True)
     assert not ok
     for case in ("shipped", "tied"):
         for n in (2, 4, 8):
@@ -31,7 +24,7 @@ def test_tp_sampling_gate_fails_when_the_merge_drops_the_last_shard():
 
 
 def test_tp_sampling_gate_fails_when_ties_go_to_the_higher_shard():
-    ok, _, ev = _run(tp_sampling_gate, cc.sharded_ties_to_higher_shard)
+    ok, ev = gated(tp_sampling_gate.run, cc.sharded_ties_to_higher_shard)(True)
     assert not ok
     # only the tied case holds equal z across shards
     assert [e.split(":")[0] for e in ev[:-1]] == ["tied, N=2", "tied, N=4", "tied, N=8"], ev
@@ -45,7 +38,7 @@ def test_tp_sampling_gate_fails_when_ties_go_to_the_higher_shard():
 
 
 def test_depth_policy_gate_fails_on_a_raised_device_threshold():
-    ok, _, ev = _run(depth_policy_gate, cc.device_depth_threshold_raised)
+    ok, ev = gated(depth_policy_gate.run, cc.device_depth_threshold_raised)(True)
     assert not ok
     assert len(ev) == 3, ev
     for e, name in zip(ev[:2], ("fitted", "prior"), strict=True):
