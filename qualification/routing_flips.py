@@ -72,10 +72,15 @@ def runtime_routes(engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], 
     engine.target.route_trace = []
     try:
         logits = engine.prefill_logits(tokens)[0].cpu()
-        parts = _by_layer(engine.target.route_trace)
+        routes = by_layer_ids(engine.target.route_trace)
     finally:
         engine.target.route_trace = None
-    return {i: torch.cat([a for (a,) in v]) for i, v in parts.items()}, logits
+    return routes, logits
+
+
+def by_layer_ids(trace: list) -> dict[int, torch.Tensor]:
+    """An engine's route trace [(layer, ids [n, K])] → {layer: ids [T, K]} in row order."""
+    return {i: torch.cat([a for (a,) in v]) for i, v in _by_layer(trace).items()}
 
 
 def find(cand: dict[int, torch.Tensor], matched: dict[int, tuple], fp32: dict[int, tuple],

@@ -65,6 +65,7 @@ def run(
     cfg: StabilityConfig | None = None,
     prompts: Sequence[torch.Tensor] | None = None,  # each [≥ length + max(appends)]
     flips: Callable[[torch.Tensor], list[routing_flips.Flip]] | None = None,
+    memo: dict | None = None,
 ) -> tuple[bool, float, list[str]]:
     """(all positions pass, worst cand/(m·band + floor), evidence lines). `lower` is the
     lower-precision reference whose envelope sets the band (BF16, or "matched" for the FP8
@@ -72,7 +73,7 @@ def run(
     each one's first cfg.length tokens are judged, the rest are the appended tokens. `flips`:
     tokens [T] → the candidate's routing flips against `lower` (routing_flips.between); a
     position outside the band then passes when its first flip is a legal near-tie, and an
-    illegal flip fails. The worst share excludes the excused positions."""
+    illegal flip fails. The worst share excludes the excused positions. memo: per_position's."""
     cfg = cfg or StabilityConfig()
     extra = max(cfg.appends)
     if prompts is None:
@@ -85,7 +86,8 @@ def run(
         if toks.shape[0] < cfg.length + extra:
             raise ValueError(f"stability.run: prompt {i} has {toks.shape[0]} tokens, "
                              f"StabilityConfig.length + max(appends) = {cfg.length + extra} wanted")
-        cand, band, allowed = per_position(fp32, lower, candidate(toks[: cfg.length]), cfg, toks)
+        cand, band, allowed = per_position(fp32, lower, candidate(toks[: cfg.length]), cfg, toks,
+                                           memo)
         excused: set[int] = set()
         if flips is not None:
             found = flips(toks[: cfg.length])
@@ -109,16 +111,23 @@ def run(
 
 
 def per_position(fp32: ReferenceModel, lower: ReferenceModel, cand_logits: torch.Tensor,
-                 cfg: StabilityConfig, toks: torch.Tensor):
+                 cfg: StabilityConfig, toks: torch.Tensor, memo: dict | None = None):
     """(cand, band, allowed), each [T = cfg.length] float64, for one prompt toks [≥ T +
-    max(appends)] and the candidate's logits [T, V] on its first T tokens."""
-    prompt = toks[: cfg.length]
-    ref = _logits(fp32, prompt)  # [T, V]
-    band = _rel_rms(_logits(lower, prompt), ref)
-    for a in cfg.appends:
-        band = torch.maximum(
-            band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
-        )
+    max(appends)] and the candidate's logits [T, V] on its first T tokens. memo: a dict that
+    keeps the candidate-independent FP32 logits and band per prompt across calls."""
+    key = (id(fp32), id(lower), cfg, tuple(toks.tolist()))
+    if memo is None or key not in memo:
+        prompt = toks[: cfg.length]
+        ref = _logits(fp32, prompt)  # [T, V]
+        band = _rel_rms(_logits(lower, prompt), ref)
+        for a in cfg.appends:
+            band = torch.maximum(
+                band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
+            )
+        if memo is not None:
+            memo[key] = ref, band
+    else:
+        ref, band = memo[key]
     cand = _rel_rms(cand_logits, ref)
     return cand, band, cfg.multiple * band + cfg.floor
 

@@ -283,6 +283,14 @@ _ROWS: tuple[Tolerance, ...] = (
         "reference Precision 'matched': the logits are the same bits",
         "the runtime without FP8 activation quantization (bf16-fold): tests/test_engine.py",
     ),
+    Tolerance(
+        "runtime.rounding_noise", "fp32", 2.0**-21, 2.0**-21 / 3**0.5,
+        "gate 1's matched band (qualification/matched_band.py): the relative noise u·eps, u ~ "
+        "U(−1, 1), put on every FP64 → FP32 rounding of the matched reference to emulate another "
+        "legal summation order; eps = 4 FP32 ulps, the size of the kernels' FP32 deviation from "
+        "their twins measured by the lockstep gate on the H200",
+        "a missing sink, a quantizer scale off by ≥ 1 % in one layer: qualification/gate1_power.py",
+    ),
     # --- kernels (issue 3) ------------------------------------------------------------------
     # kernels/fp8 rows
     Tolerance(

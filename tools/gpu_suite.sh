@@ -6,6 +6,11 @@
 #   n4b       the same again (a second order of the same tests)
 #   capture   tests/test_capture.py (a collection inside a capture, with and without the pause)
 #   serial    pytest -m gpu on one worker
+#   gates1    qualify --only lockstep runtime (gate 1b and gate 1 on the kernels)
+#   power     python -m qualification.gate1_power --prompts 1 (planted defects through gate 1)
+#   moe       python -m benchmarks.exp_moe_rounding (the MoE kernel vs its twin, stage by stage)
+#   kcontrols the kernel-level negative controls (compiled)
+#   qualify   the full python -m qualification.qualify
 # Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
 set -uo pipefail
 out=${1:-$OUT/gpu_suite}; shift || true
@@ -35,6 +40,22 @@ for phase in $phases; do
     serial)
       timeout 540 python -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 300 \
         --benchmark-disable --durations 15 2>&1 | tee "$out/gpu_serial.log" ;;
+    gates1)
+      timeout 400 python -m qualification.qualify --only lockstep runtime --out "$out/gates1" \
+        2>&1 | tee "$out/gates1.log" ;;
+    power)
+      timeout 420 python -m qualification.gate1_power --prompts 1 --json "$out/power.json" 2>&1 \
+        | tee "$out/power.log" ;;
+    moe)
+      timeout 200 python -m benchmarks.exp_moe_rounding --json "$out/moe.json" 2>&1 \
+        | tee "$out/moe.log" ;;
+    kcontrols)
+      timeout 560 python -m negative_controls.run --only $(python -c "from negative_controls \
+        import kernel_controls as k; print(' '.join(m.name for m in k.MUTATIONS))") 2>&1 \
+        | tee "$out/kcontrols.log" ;;
+    qualify)
+      timeout 560 python -m qualification.qualify --out "$out/qualify" 2>&1 \
+        | tee "$out/qualify.log" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
   echo "phase $phase: rc ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$out/phases.txt"
