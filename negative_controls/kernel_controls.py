@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -75,9 +76,45 @@ def _run_gate(mutation: KernelMutation | None) -> dict:
         return out
 
 
+class _Runs:
+    """Gate processes started ahead (`prepare`): {mutation name or None: Future of its output}.
+    The runs are independent processes, so several share a GPU (the twins' replay is CPU work,
+    the host has the cores); a run not prepared starts when it is asked for."""
+
+    def __init__(self):
+        self.futures: dict[str | None, Future] = {}
+        self.pool: ThreadPoolExecutor | None = None
+
+    def prepare(self, names: list[str], jobs: int) -> None:
+        by_name = {m.name: m for m in MUTATIONS}
+        todo = [None, *(n for n in names if n in by_name)]
+        if jobs <= 1 or len(todo) <= 2:
+            return
+        self.pool = ThreadPoolExecutor(max_workers=jobs)
+        for n in todo:
+            if n not in self.futures:
+                self.futures[n] = self.pool.submit(_run_gate, by_name.get(n))
+
+    def get(self, m: KernelMutation | None) -> dict:
+        key = None if m is None else m.name
+        if key not in self.futures:
+            return _run_gate(m)
+        return self.futures[key].result()
+
+
+@lru_cache(maxsize=1)
+def _runs() -> _Runs:
+    return _Runs()
+
+
+def prepare(names: list[str], jobs: int) -> None:
+    """Start the baseline and the named kernel controls' gate runs, `jobs` at a time."""
+    _runs().prepare(names, jobs)
+
+
 @lru_cache(maxsize=1)
 def _baseline() -> tuple[bool, tuple[str, ...]]:
-    out = _run_gate(None)
+    out = _runs().get(None)
     return out["ok"], tuple(out["evidence"])
 
 
@@ -86,7 +123,7 @@ def _control(m: KernelMutation) -> Control:
         if not mutated:
             ok, ev = _baseline()
             return ok, list(ev)
-        out = _run_gate(m)
+        out = _runs().get(m)
         worst = out["worst"]
         strong = worst is None or worst >= MARGIN  # None: an exact row mismatched (inf)
         if out["ok"]:
@@ -166,6 +203,27 @@ MUTATIONS = (
         "    keep = valid & ((rp <= first) | ~cut)  # a cut keeps the token that crosses top_p",
         "    keep = valid & ((rp < first) | ~cut)  # a cut keeps the token that crosses top_p",
         "sampler: the top-p cut drops the token that crosses top_p"),
+    KernelMutation(
+        "kq_rope_rotation_sign_flipped", "qk_rope.py",
+        "        signed = tl.where(d < half, -xp, xp)  # first half: x1·cos − x2·sin",
+        "        signed = tl.where(d < half, xp, -xp)  # first half: x1·cos − x2·sin",
+        "qk-norm/RoPE: the rotation's sine terms take the wrong sign (a rotation by −θ)"),
+    KernelMutation(
+        "kq_router_weights_not_renormalized", "tail_router.py",
+        "    w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))",
+        "    w = top_p",
+        "router: the top-k probabilities are not renormalized to sum to 1"),
+    KernelMutation(
+        "kq_router_chosen_expert_not_masked", "tail_router.py",
+        "        p = tl.where(ea[None, :] == idx[:, None], -2.0, p)",
+        "        p = tl.where(ea[None, :] == idx[:, None], p, p)",
+        "router: a chosen expert is not masked out, so every top-k slot takes the best one"),
+    KernelMutation(
+        "kq_eh_proj_norm_factors_swapped", "eh_proj.py",
+        "        inv = tl.where(in_e[:, None], inv_e[None, :], inv_h[None, :])",
+        "        inv = tl.where(in_e[:, None], inv_h[None, :], inv_e[None, :])",
+        "fused draft entry + eh_proj: the embedding and hidden halves take each other's rms "
+        "factors"),
 )
 
 CONTROLS = tuple(_control(m) for m in MUTATIONS)

@@ -74,12 +74,15 @@ class ControlBroken(Exception):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m negative_controls.run", description=__doc__)
     ap.add_argument("--only", nargs="*", help="control names to run (default: all)")
+    ap.add_argument("--jobs", type=int, default=4 if torch.cuda.is_available() else 1,
+                    help="kernel controls' gate processes run at a time (default: 4 on a GPU)")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     controls = [c for c in ALL if not a.only or c.name in a.only]
     unknown = sorted(set(a.only or ()) - {c.name for c in ALL})
     if unknown:
         ap.error(f"unknown controls {unknown}; choose from {[c.name for c in ALL]}")
+    kernel_controls.prepare([c.name for c in controls], a.jobs)
     rows, failed = [], False
     for i, c in enumerate(controls, 1):
         t0 = time.perf_counter()
