@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from qualification import rounding_noise, routing_flips
+from qualification import rounding_noise
 from qualification.pinned_routes import ForcedKV, PinnedRoutes
 from qualification.tolerances import tolerance
 from reference.model import ReferenceModel
@@ -73,17 +73,16 @@ def _rel_rms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 class BandReference:
     """The candidate-independent part for one prompt: the router variation δ of the matched
-    design (matched vs FP32 router scores at every position and layer)."""
+    design (matched vs FP32 router scores at every position and layer), from the two
+    references' routes (routing_flips.reference_routes on the judged tokens)."""
 
-    def __init__(self, matched: ReferenceModel, fp32: ReferenceModel, full: torch.Tensor,
-                 length: int):
-        self.matched, self.full, self.length = matched, full, length
-        toks = full[:length]
-        m, f = (routing_flips.reference_routes(x, toks) for x in (matched, fp32))
+    def __init__(self, matched: ReferenceModel, m_routes: dict, f_routes: dict, full: torch.Tensor):
+        self.matched, self.full = matched, full
+        self.length = next(iter(m_routes.values()))[1].shape[0]
         self.delta: dict[int, torch.Tensor] = {}  # {layer: [T]}
-        for layer, (m_in, _) in m.items():
+        for layer, (m_in, _) in m_routes.items():
             w = matched.p[f"model.layers.{layer}.mlp.router.weight"].double()  # [E, H]
-            s_m, s_f = m_in.double() @ w.t(), f[layer][0].double() @ w.t()  # [T, E]
+            s_m, s_f = m_in.double() @ w.t(), f_routes[layer][0].double() @ w.t()  # [T, E]
             self.delta[layer] = (s_m - s_f).abs().amax(-1)
 
 

@@ -54,16 +54,18 @@ def _by_layer(trace: list) -> dict[int, list]:
     return out
 
 
-def reference_routes(model: ReferenceModel, tokens: torch.Tensor) -> dict[int, tuple]:
-    """{layer: (router input [T, H] FP32, ids [T, K])} of one plain forward over tokens [T]."""
+def reference_routes(model: ReferenceModel, tokens: torch.Tensor, with_logits: bool = False):
+    """{layer: (router input [T, H] FP32, ids [T, K])} of one plain forward over tokens [T];
+    with_logits: (that, the forward's logits [T, V])."""
     model.route_trace = []
     try:
-        model.target(tokens, torch.arange(len(tokens)), None)
+        logits = model.target(tokens, torch.arange(len(tokens)), None).logits
         parts = _by_layer(model.route_trace)
     finally:
         model.route_trace = None
-    return {i: (torch.cat([a for a, _ in v]), torch.cat([b for _, b in v])) for i, v in
-            parts.items()}
+    routes = {i: (torch.cat([a for a, _ in v]), torch.cat([b for _, b in v])) for i, v in
+              parts.items()}
+    return (routes, logits) if with_logits else routes
 
 
 def runtime_routes(engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:

@@ -218,23 +218,24 @@ class PromptRefs:
 
     def __init__(self, s: RuntimeSetup, g: RuntimeGateConfig, full: torch.Tensor):
         self.full, toks = full, full[: g.length]
-        self.want = s.refs["matched"].target(toks, torch.arange(g.length), None).logits  # [T, V]
+        # one traced forward gives the matched logits [T, V] and routes
+        self.matched_routes, self.want = routing_flips.reference_routes(
+            s.refs["matched"], toks, with_logits=True)
         self.stability: dict = {}  # stability.per_position's memo
-        self._routes: dict | None = None
+        self._fp32_routes: dict | None = None
         self._band: matched_band.BandReference | None = None
         self._s, self._g = s, g
 
     def routes(self) -> tuple[dict, dict]:  # (matched, fp32) reference routes of the prompt
-        if self._routes is None:
-            toks = self.full[: self._g.length]
-            self._routes = {k: routing_flips.reference_routes(self._s.refs[k], toks)
-                            for k in ("matched", "fp32")}
-        return self._routes["matched"], self._routes["fp32"]
+        if self._fp32_routes is None:
+            self._fp32_routes = routing_flips.reference_routes(self._s.refs["fp32"],
+                                                               self.full[: self._g.length])
+        return self.matched_routes, self._fp32_routes
 
     def band(self) -> matched_band.BandReference:
         if self._band is None:
-            self._band = matched_band.BandReference(self._s.refs["matched"], self._s.refs["fp32"],
-                                                    self.full, self._g.length)
+            self._band = matched_band.BandReference(self._s.refs["matched"], *self.routes(),
+                                                    self.full)
         return self._band
 
 

@@ -119,11 +119,15 @@ def per_position(fp32: ReferenceModel, lower: ReferenceModel, cand_logits: torch
     if memo is None or key not in memo:
         prompt = toks[: cfg.length]
         ref = _logits(fp32, prompt)  # [T, V]
-        band = _rel_rms(_logits(lower, prompt), ref)
-        for a in cfg.appends:
-            band = torch.maximum(
-                band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
-            )
+        if lower.precision.matched:  # one row at a time: a row's bits ignore later rows
+            longest = _logits(lower, toks[: cfg.length + max(cfg.appends, default=0)])
+            band = _rel_rms(longest[: cfg.length], ref)
+        else:
+            band = _rel_rms(_logits(lower, prompt), ref)
+            for a in cfg.appends:
+                band = torch.maximum(
+                    band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
+                )
         if memo is not None:
             memo[key] = ref, band
     else:

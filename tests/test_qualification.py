@@ -208,12 +208,16 @@ def test_runtime_gate_on_the_gpu_excuses_flips_but_not_a_missing_sink(monkeypatc
     ok, _, ev = runtime_gate.run(cfg)
     assert ok, ev
     assert any("routing flips vs matched" in e and "0 not near-ties" in e for e in ev), ev
-    real = rt_ops.KernelOps.attention
+    real, real_q = rt_ops.KernelOps.attention, rt_ops.KernelOps.attention_q
 
     def no_sink(self, q, cache, positions, live, sink_k, scale):
         return real(self, q, cache, positions, live, None, scale)
 
+    def no_sink_q(self, q, cache, positions, live, sink_k, scale):  # the fused-quant path
+        return real_q(self, q, cache, positions, live, None, scale)
+
     monkeypatch.setattr(rt_ops.KernelOps, "attention", no_sink)
+    monkeypatch.setattr(rt_ops.KernelOps, "attention_q", no_sink_q)
     ok, _, ev = runtime_gate.run(cfg)
     assert not ok and any("matched band: FAIL" in e for e in ev), ev
 
