@@ -16,6 +16,11 @@ Sampling is temperature 1 with top-k 3 and top-p 1 (27 outcomes for H = 3), so a
 requests give each outcome enough draws; every path of verification occurs (first draft rejected,
 accepted then rejected, all accepted with a bonus).
 
+The requests and the law's forwards run on a RowMemo of the model (reference/row_memo.py): every
+request has the same prompt and at most 3 candidates per token, so almost every row a request
+needs was computed for an earlier one; the memo computes each distinct row once and gives the
+plain model's bits (tests/test_row_memo.py compares the tokens with plain requests).
+
 Dimension letters: V vocabulary, H tokens per outcome, N requests.
 """
 
@@ -34,6 +39,7 @@ from reference import rejection
 from reference.config import SamplingDefaults
 from reference.depth import FixedDepth
 from reference.model import ReferenceModel
+from reference.row_memo import RowMemo
 from reference.sampling import served_distribution
 from reference.speculative import GenerationRequest, ReferenceGenerator
 
@@ -50,18 +56,19 @@ class E2EConfig:
     sampling: SamplingDefaults = field(
         default_factory=lambda: SamplingDefaults(temperature=1.0, top_k=3, top_p=1.0))
     engine_check: int = 3  # seeds whose tokens the twins engine must reproduce bit for bit
+    progress: int = 500  # report every this many requests (and once at the end)
 
 
 def exact_law(model: ReferenceModel, prompt: tuple[int, ...], g: E2EConfig) -> law.Law:
     """{(x1 … xH): probability} of plain target sampling (served rows, as fractions)."""
-    out: law.Law = {}
+    memo, out = RowMemo(model), {}
 
     def walk(prefix: tuple[int, ...], mass: Fraction) -> None:
         if len(prefix) == g.horizon:
             out[prefix] = out.get(prefix, Fraction(0)) + mass
             return
         toks = torch.tensor(prompt + prefix)
-        logits = model.target(toks, torch.arange(len(toks))).logits[-1:]  # [1, V]
+        logits = memo.target(toks, torch.arange(len(toks))).logits[-1:]  # [1, V]
         row = served_distribution(logits, g.sampling)[0].double()  # [V]
         for x in torch.nonzero(row > 0).flatten().tolist():
             walk(prefix + (x,), mass * Fraction(float(row[x])))
@@ -73,13 +80,19 @@ def exact_law(model: ReferenceModel, prompt: tuple[int, ...], g: E2EConfig) -> l
 
 def draws(model: ReferenceModel, prompt: tuple[int, ...], g: E2EConfig, report=None
           ) -> list[tuple[int, ...]]:
-    gen = ReferenceGenerator(model, FixedDepth(g.depth))
+    """The first g.horizon tokens of requests with seeds 0 … g.n − 1, as plain per-request
+    ReferenceGenerator calls on `model` give them. The memo is made here, under whatever patch
+    the caller applies around the requests (a RowMemo does not see patches made after it has
+    rows)."""
+    memo = RowMemo(model)
+    gen = ReferenceGenerator(memo, FixedDepth(g.depth))
     res, t0 = [], time.perf_counter()
     for seed in range(g.n):
         r = gen.generate(GenerationRequest(prompt, g.horizon, g.sampling, seed))
         res.append(tuple(r.tokens))
-        if report is not None and (seed + 1) % 500 == 0:
-            report(f"  5b: {seed + 1}/{g.n} requests ({time.perf_counter() - t0:.0f} s)")
+        if report is not None and ((seed + 1) % g.progress == 0 or seed + 1 == g.n):
+            report(f"  5b: {seed + 1}/{g.n} requests ({time.perf_counter() - t0:.0f} s; rows "
+                   f"{memo.misses} computed, {memo.hits} from the memo)")
     return res
 
 

@@ -30,6 +30,7 @@ from reference.depth import DepthPolicy, DraftInfo, FixedDepth
 from reference.model import ReferenceModel
 from reference.rejection import verify
 from reference.rng import Purpose, uniforms
+from reference.row_memo import RowMemo
 from reference.sampling import draw, served_distribution
 
 
@@ -111,9 +112,11 @@ def emit(result: GenerationResult, req: GenerationRequest, emitted: list[int]) -
 
 
 class ReferenceGenerator:
-    """Slow reference decoding; `policy` FixedDepth(0) is plain sampling."""
+    """Slow reference decoding; `policy` FixedDepth(0) is plain sampling. `model` may be a RowMemo
+    of a matched model (reference/row_memo.py): the same tokens, each distinct row computed once
+    for all the requests that use the memo."""
 
-    def __init__(self, model: ReferenceModel, policy: DepthPolicy | None = None):
+    def __init__(self, model: ReferenceModel | RowMemo, policy: DepthPolicy | None = None):
         self.model = model
         self.policy = policy or FixedDepth(0)
 
