@@ -11,6 +11,7 @@
 #   moe       python -m benchmarks.exp_moe_rounding (the MoE kernel vs its twin, stage by stage)
 #   kcontrols the kernel-level negative controls (compiled)
 #   qualify   the full python -m qualification.qualify
+#   gate1test the GPU tests of tests/test_qualification.py (gate 1 on the kernels, missing sink)
 # Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
 set -uo pipefail
 out=${1:-$OUT/gpu_suite}; shift || true
@@ -56,6 +57,9 @@ for phase in $phases; do
     qualify)
       timeout 560 python -m qualification.qualify --out "$out/qualify" 2>&1 \
         | tee "$out/qualify.log" ;;
+    gate1test)
+      timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_qualification.py \
+        2>&1 | tee "$out/gate1test.log" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
   echo "phase $phase: rc ${PIPESTATUS[0]}, $(( $(date +%s) - start )) s" | tee -a "$out/phases.txt"
