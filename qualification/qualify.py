@@ -21,6 +21,7 @@ if not torch.cuda.is_available():  # kernels run under the interpreter; set befo
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -331,7 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             results.append(GateResult(name, NOT_RUN, "-", ["left out by --only"]))
             continue
         print(f"[{i + 1}/{len(GATES)}] {gate.__name__}…", flush=True)
-        res = gate(q, models)
+        try:
+            res = gate(q, models)
+        except Exception as e:  # a crashed gate fails; the others still run and report
+            tb = traceback.format_exception(e)
+            res = GateResult(name, FAIL, f"crashed: {type(e).__name__}",
+                             [f"{type(e).__name__}: {e}", "".join(tb[-3:])[-1500:]])
         res.seconds = time.perf_counter() - t0
         results.append(res)
         print(f"      {res.verdict} in {res.seconds:.0f} s", flush=True)
