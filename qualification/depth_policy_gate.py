@@ -88,7 +88,7 @@ def run(g: DepthPolicyGateConfig | None = None) -> tuple[bool, str, list[str]]:
     g = g or DepthPolicyGateConfig()
     w = device_engine.weights(mini_engine.load_mini())
     prompts = mini_engine.prompts(g.prompt_tokens, kinds=g.kinds)
-    ev, facts, closest = [], [], float("inf")
+    ev, facts, closest, more, stop = [], [], float("inf"), 0, 0
     for name in g.policies:
         p = policy(name)
         eng = device_engine.engine(w, p, graphs=True)
@@ -100,14 +100,14 @@ def run(g: DepthPolicyGateConfig | None = None) -> tuple[bool, str, list[str]]:
             check_rounds(p, res.rounds, f"{name} policy, {prompt.id}", t)
         if t.first_bad:
             ev.append(t.first_bad)
-        if not t.more or t.more == t.decisions:
-            ev.append(f"{name} policy: all {t.decisions} decisions at depths {p.min_depth} … "
-                      f"{p.max_depth - 1} were '{'more' if t.more else 'stop'}' (nothing to "
-                      "tell a wrong decision from)")
+        more, stop = more + t.more, stop + t.decisions - t.more
         closest = min(closest, t.closest)
         facts.append(f"{name} (threshold {p.threshold:.6g}): {t.rounds} rounds, depths "
                      f"{dict(sorted(depths.items()))}, {t.decisions} decisions compared "
                      f"({t.more} more, {t.decisions - t.more} stop) + {t.forced} forced")
+    if not more or not stop:  # a policy alone may decide one way on these prompts (kernels)
+        ev.append(f"all {more + stop} decisions of the policies {list(g.policies)} were "
+                  f"'{'more' if more else 'stop'}' (nothing to tell a wrong decision from)")
     ok = not ev
     ops = "kernels with CUDA graphs" if device_engine.on_gpu() else "twins"
     ev.append(f"{ops}, {len(prompts)} prompts x {g.new_tokens} tokens: " + "; ".join(facts)
