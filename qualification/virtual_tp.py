@@ -45,6 +45,7 @@ class ShardLog:
     straddling: int = 0  # live rows whose served candidates come from >= 2 shards
     cut_ties: int = 0  # live rows whose K-th and (K+1)-th merged keys tie across shards
     mismatch: str | None = None  # the first call whose sharded result differs
+    idle: int = 0  # calls with no live row (rounds after the request's end, on a GPU)
 
 
 def _differs(a: SampleOut, b: SampleOut, n: int) -> str | None:
@@ -52,8 +53,6 @@ def _differs(a: SampleOut, b: SampleOut, n: int) -> str | None:
         x, y = getattr(a, name)[:n].cpu(), getattr(b, name)[:n].cpu()
         if x.shape != y.shape:
             return f"{name} of shape {tuple(x.shape)} vs {tuple(y.shape)}"
-        if n == 0:  # a round after the request's end: nothing live to compare
-            continue
         bad = (x != y).reshape(n, -1).any(1).nonzero().flatten().tolist()
         if bad:
             return f"{name} differ at live row {bad[0]} of {n}"
@@ -90,6 +89,9 @@ class VirtualShardOps:
 
     def _observe(self, logits, params, seed, positions, purpose, live, gathered, outs) -> None:
         log, n = self.log, live.n
+        if n == 0:  # a round the device ran after the request ended: nothing live to compare
+            log.idle += 1
+            return
         whole = self.base.sample(logits, params, seed, positions, purpose, live)
         where = f"call {log.calls} ({purpose.name}, {n} live rows)"
         if log.mismatch is None:
