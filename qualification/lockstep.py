@@ -367,6 +367,7 @@ class Verdict:
     margin: str
     evidence: list[str]
     worst_used: float | None  # the largest share of a row; None when an exact row mismatched
+    ops: frozenset[str] = frozenset()  # the tolerance rows that judged at least one call
 
 
 def verdict(cfg: LockstepConfig | None = None) -> Verdict:
@@ -406,7 +407,8 @@ def verdict(cfg: LockstepConfig | None = None) -> Verdict:
     ev.append(f"mini, {prompt.id}, last {cfg.prompt_tokens} tokens, {cfg.new_tokens} new, "
               f"{'compiled kernels' if gpu else 'kernels under the interpreter'}")
     used = None if worst.used == float("inf") else worst.used
-    return Verdict(ok, margin, ev, used)
+    ops = frozenset(f.op for r in runs for f in r.lock.findings.values())
+    return Verdict(ok, margin, ev, used, ops)
 
 
 def run(cfg: LockstepConfig | None = None) -> tuple[bool, str, list[str]]:

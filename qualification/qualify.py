@@ -35,6 +35,7 @@ from qualification import (
     engine_cache_gate,
     goldens,
     lockstep,
+    lockstep_rank,
     prefetch_gate,
     readiness_gate,
     reuse_gate,
@@ -136,9 +137,15 @@ def gate_bitexact_runtime(q: QualifyConfig, models) -> GateResult:
 
 
 def gate_lockstep(q: QualifyConfig, models) -> GateResult:
-    """Every production kernel call of the engine vs its twin on the identical inputs (quick:
-    the CPU shape with one round fewer, on either device)."""
-    ok, margin, evidence = lockstep.run(lockstep.LockstepConfig(new_tokens=2) if q.quick else None)
+    """Every production kernel call of the engine vs its twin on the identical inputs: the mini
+    model, then one TP8 rank's shapes (a few layers of random E4M3 weights; at test size under
+    the interpreter). Quick: the mini model's CPU shape with one round fewer, on either device."""
+    if q.quick:
+        ok, margin, evidence = lockstep.run(lockstep.LockstepConfig(new_tokens=2))
+        return GateResult("1b lockstep kernels vs twins", PASS if ok else FAIL, margin, evidence)
+    mini, rank = lockstep.verdict(), lockstep_rank.verdict()
+    ok, margin = mini.ok and rank.ok, f"mini {mini.margin}; rank shapes {rank.margin}"
+    evidence = ["mini model:", *mini.evidence, "rank shapes:", *rank.evidence]
     return GateResult("1b lockstep kernels vs twins", PASS if ok else FAIL, margin, evidence)
 
 

@@ -287,9 +287,13 @@ _ROWS: tuple[Tolerance, ...] = (
         "runtime.rounding_noise", "fp32", 2.0**-21, 2.0**-21 / 3**0.5,
         "gate 1's matched band (qualification/matched_band.py): the relative noise u·eps, u ~ "
         "U(−1, 1), put on every FP64 → FP32 rounding of the matched reference to emulate another "
-        "legal summation order; eps = 4 FP32 ulps, the size of the kernels' FP32 deviation from "
-        "their twins measured by the lockstep gate on the H200",
-        "a missing sink, a quantizer scale off by ≥ 1 % in one layer: qualification/gate1_power.py",
+        "legal summation order; eps = 2^-21 (4 FP32 ulps): the FP32 GEMM stages of the kernels "
+        "differ from their twins by 1.3–1.5e-7 relative L2 on the H200 (the MoE's gate/up at TP8 "
+        "shapes, benchmarks/exp_moe_rounding.py), and the draws' per-position median (2.8e-7 on "
+        "mini) stays above the compiled kernels' (5.1e-8): the band is not narrower than the "
+        "kernels' own variation (reports/qualify/h200-2026-12-02)",
+        "a missing sink, an activation-quantizer scale off by ≥ 0.25 % in one layer (H200): "
+        "qualification/gate1_power.py",
     ),
     # --- kernels (issue 3) ------------------------------------------------------------------
     # kernels/fp8 rows
@@ -393,10 +397,13 @@ _ROWS: tuple[Tolerance, ...] = (
     Tolerance(
         "kernels.attention",
         "bf16",
+        2.0**-7 + 1e-4,
         4.0e-3,
-        4.0e-3,
-        "the fp32-out row plus one rounding to bf16 (unit roundoff 2^-8 = 3.9e-3 of each "
-        "element, so neither the worst nor the rms relative error can exceed 2^-8 + 1e-4)",
+        "the fp32-out row plus a rounding to bf16 on each side: where the two FP32 values "
+        "straddle a rounding boundary the outputs are one bf16 ulp apart, up to 2^-7 of the "
+        "element and so of max|b| (qualification/lockstep_rank.py under the interpreter: one of "
+        "576 elements, 1.2578 vs 1.2656 at max|b| 1.78, max_rel 4.39e-3); the rms of a few such "
+        "flips stays far below 2^-8",
         "same broken variants as the fp32-out row (each moves outputs by ≥ 0.05 relative)",
     ),
     Tolerance(

@@ -27,3 +27,25 @@ def test_a_line_that_is_not_in_the_kernel_is_refused():
     bad = kc.KernelMutation("gone", "fp8.py", "    x = no_such_line()", "    x = 1", "none")
     with pytest.raises(ValueError, match=r"occurs 0 times in kernels/fp8.py"):
         kc._run_gate(bad)
+
+
+def test_prepared_runs_start_ahead_and_unprepared_ones_on_demand(monkeypatch):
+    """prepare() starts the baseline and the named mutations in a pool; get() returns each
+    prepared run's output once, and runs one that was not prepared when it is asked for."""
+    seen = []
+
+    def fake(m):
+        seen.append(None if m is None else m.name)
+        return {"name": None if m is None else m.name}
+
+    monkeypatch.setattr(kc, "_run_gate", fake)
+    runs = kc._Runs()
+    first, second, third = kc.MUTATIONS[:3]
+    runs.prepare([first.name, second.name, "not_a_kernel_control"], jobs=2)
+    assert runs.get(first) == {"name": first.name} and runs.get(None) == {"name": None}
+    assert sorted(seen, key=str) == sorted([None, first.name, second.name], key=str)
+    assert runs.get(third) == {"name": third.name} and seen[-1] == third.name
+    runs.pool.shutdown()
+    serial = kc._Runs()
+    serial.prepare([first.name, second.name], jobs=1)  # one at a time: nothing ahead
+    assert serial.futures == {}
