@@ -12,8 +12,8 @@ full vocabulary (`vocabs`: the 20000 shard and the unsharded 160000): kernel vs 
 random logits, exact ids, tokens and probabilities rows.
 
 GPU only at these shapes (an expert stack is 453 MB of E4M3; the twins dequantize on the
-device). `CPU` keeps the structure at test size (`small_rank_config`, ≈ 2 min under the
-interpreter).
+device). `CPU` keeps the structure at test size (`small_rank_config`, one round, ≈ 1 min
+under the interpreter).
 
 Dimension letters: R rows, V vocabulary.
 """
@@ -46,7 +46,7 @@ class RankLockstepConfig:
 
 
 # the interpreter: the rank's structure at test size, the sampler at the shard's width too
-CPU = RankLockstepConfig(prompt_tokens=12, new_tokens=4, width=4, depth=2, vocabs=(640, 20000),
+CPU = RankLockstepConfig(prompt_tokens=8, new_tokens=2, width=4, depth=1, vocabs=(640, 20000),
                          small=True)
 
 
