@@ -48,6 +48,12 @@ class Finding:
     def ok(self) -> bool:
         return self.used <= 1.0
 
+    def margin(self) -> str:
+        """The gate's margin text when this is the worst finding."""
+        share = ("exact" if self.used == 0.0 else "MISMATCH" if self.used == float("inf")
+                 else f"{self.used:.0%} of row")
+        return f"{share} ({self.op}[{self.dtype}], {self.layer})"
+
 
 class LockstepFailure(AssertionError):
     """Raised by a strict Lockstep at the first comparison outside its row."""
@@ -305,6 +311,18 @@ class Lockstep:
         return got
 
     # --- the verdict -------------------------------------------------------------------------
+    def decode(self, req) -> int:
+        """The engine's decode of req under the lockstep → the rounds it ran. A request that
+        cannot go on after a recorded mismatch stops there (the reason kept in `stopped`)."""
+        try:
+            return len(self.eng.generate(req).rounds)
+        except Exception as e:  # after a recorded mismatch the state may be past replaying
+            if self.ok:
+                raise
+            self.stopped = (f"the request stopped after the first mismatch: "
+                            f"{type(e).__name__}: {e}")
+            return self.round
+
     @property
     def ok(self) -> bool:
         return all(f.ok for f in self.findings.values())
@@ -383,18 +401,10 @@ def verdict(cfg: LockstepConfig | None = None) -> Verdict:
     for width, depth in cfg.shapes:
         eng = _engine(ckpt, width, depth, "cuda" if gpu else "cpu")
         lock = Lockstep(eng)
-        try:
-            rounds = len(eng.generate(req).rounds)
-        except Exception as e:  # after a recorded mismatch the state may be past replaying
-            if lock.ok:
-                raise
-            lock.stopped = f"the request stopped after the first mismatch: {type(e).__name__}: {e}"
-            rounds = lock.round
-        runs.append(LockstepRun(width, depth, rounds, lock))
+        runs.append(LockstepRun(width, depth, lock.decode(req), lock))
     ok = all(r.lock.ok for r in runs)
     worst = max((f for r in runs for f in r.lock.findings.values()), key=lambda f: f.used)
-    margin = ("exact" if worst.used == 0.0 else "MISMATCH" if worst.used == float("inf")
-              else f"{worst.used:.0%} of row") + f" ({worst.op}[{worst.dtype}], {worst.layer})"
+    margin = worst.margin()
     ev = []
     for r in runs:
         lock = r.lock

@@ -93,18 +93,11 @@ def verdict(cfg: RankLockstepConfig | None = None) -> Verdict:
     g = torch.Generator().manual_seed(cfg.seed)
     prompt = torch.randint(0, model.target.vocab_size, (cfg.prompt_tokens,), generator=g)
     req = GenerationRequest(tuple(prompt.tolist()), cfg.new_tokens, model.sampling, cfg.seed)
-    try:
-        rounds = len(eng.generate(req).rounds)
-    except Exception as e:  # after a recorded mismatch the state may be past replaying
-        if lock.ok:
-            raise
-        lock.stopped = f"the request stopped after the first mismatch: {type(e).__name__}: {e}"
-        rounds = lock.round
+    rounds = lock.decode(req)
     for vocab in cfg.vocabs:
         _sampler(lock, vocab, cfg, device)
     worst = max(lock.findings.values(), key=lambda f: f.used)
-    margin = ("exact" if worst.used == 0.0 else "MISMATCH" if worst.used == float("inf")
-              else f"{worst.used:.0%} of row") + f" ({worst.op}[{worst.dtype}], {worst.layer})"
+    margin = worst.margin()
     t = model.target
     kinds = "".join(k[0].upper() for k in t.layer_types)
     ev = [f"{model.name}: hidden {t.hidden_size}, {t.num_attention_heads}/"
