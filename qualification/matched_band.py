@@ -18,7 +18,6 @@ and the candidate's logits [T, V], routes and K/V:
   cand(p)    = rel_rms(candidate[p], clean[p])
   pass      ⇔ every cand(p) ≤ m · max(d) + floor        (the band; positions outside listed)
              and median(cand) ≤ m · median(d) + floor   (a small error at every position)
-             and q90(cand) ≤ m · q90(d) + floor         (an error at a tenth of them)
              and every pinned expert difference is a near-tie (gap ≤ m · δ + router_floor, δ:
              how far the matched design's rounding moved that router's scores from FP32)
 
@@ -117,15 +116,17 @@ def run(ref: BandReference, cand_logits: torch.Tensor, cand_routes: dict[int, to
     order = cand.argsort(descending=True)
     outside = [int(p) for p in order if cand[p] > band]
     w = int(order[0])
-    q90 = cfg.multiple * float(d.quantile(0.9)) + cfg.floor
-    c90 = float(cand.quantile(0.9))
-    worst = max(float(cand[w]) / band, float(cand.median()) / mid, c90 / q90)
-    ok = not outside and float(cand.median()) <= mid and c90 <= q90 and not illegal
+    # the 90 % quantile is reported, not judged: how many positions flip differs by prompt
+    # (the draws' q90 was 1.7e-2 on one mini prompt, 3e-5 on another), so a legal kernel that
+    # flips more often than the draws on a quiet prompt would fail it
+    c90, d90 = float(cand.quantile(0.9)), float(d.quantile(0.9))
+    worst = max(float(cand[w]) / band, float(cand.median()) / mid)
+    ok = not outside and float(cand.median()) <= mid and not illegal
     ev = [f"vs matched in the candidate's context: worst position {w}: {float(cand[w]):.2e} vs "
           f"band {band:.2e} (m · max of {len(cfg.draws)}×{T} draws {float(d.max()):.2e} + "
           f"floor); median {float(cand.median()):.2e} vs {mid:.2e} (draws' median "
-          f"{float(d.median()):.2e}); 90 % quantile {c90:.2e} vs {q90:.2e} (draws' "
-          f"{float(d.quantile(0.9)):.2e}); {pins} pinned expert differences"
+          f"{float(d.median()):.2e}); 90 % quantile {c90:.2e} (draws' {d90:.2e}, reported); "
+          f"{pins} pinned expert differences"
           + (f", {len(illegal)} NOT near-ties: {illegal[:6]}" if illegal else " (near-ties)")
           + (f"; outside the band: {len(outside)} positions, worst first {outside[:16]}"
              if outside else "")]
