@@ -68,7 +68,6 @@ def _sampler(lock: Lockstep, vocab: int, cfg: RankLockstepConfig, device) -> Non
     logits = (torch.randn(cfg.width, vocab, generator=g) * 3.0).to(device)  # [R, V]
     positions = torch.arange(100, 100 + cfg.width, device=device)
     for params in (SamplingDefaults(1.0, 20, 0.95), SamplingDefaults(0.7, 50, 0.9)):
-        lock.layer = f"sampler V={vocab}"
         lock.sample(logits, params, cfg.seed, positions, Purpose.TARGET_SAMPLE,
                     Live.of(cfg.width, device))
 

@@ -34,6 +34,7 @@ import torch
 
 from qualification import rounding_noise
 from qualification.pinned_routes import ForcedKV, PinnedRoutes
+from qualification.stability import rel_rms
 from qualification.tolerances import tolerance
 from reference.model import ReferenceModel
 
@@ -62,12 +63,6 @@ class MatchedBand:
     illegal: list[str]  # pins that are no near-tie
     pins: int  # pins that differ from the reference's own choice
     evidence: list[str]
-
-
-def _rel_rms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """[T, V] vs [T, V] → [T] rms(x − y) / rms(y) per position, float64."""
-    x, y = x.double(), y.double()
-    return (x - y).pow(2).mean(-1).sqrt() / y.pow(2).mean(-1).sqrt()
 
 
 class BandReference:
@@ -108,9 +103,9 @@ def run(ref: BandReference, cand_logits: torch.Tensor, cand_routes: dict[int, to
     pooled = []
     for j in cfg.draws:
         with rounding_noise.noisy(cfg.noise, cfg.seed + j):
-            pooled.append(_rel_rms(forward(), clean))
+            pooled.append(rel_rms(forward(), clean))
     d = torch.cat(pooled)
-    cand = _rel_rms(cand_logits, clean)
+    cand = rel_rms(cand_logits, clean)
     band = cfg.multiple * float(d.max()) + cfg.floor
     mid = cfg.multiple * float(d.median()) + cfg.floor
     order = cand.argsort(descending=True)

@@ -68,21 +68,16 @@ def reference_routes(model: ReferenceModel, tokens: torch.Tensor, with_logits: b
     return (routes, logits) if with_logits else routes
 
 
-def runtime_routes(engine, tokens: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+def runtime_routes(engine, tokens: list[int]):
     """A plain prefill (chunks of the engine's width) → ({layer: ids [T, K] its router chose},
-    its logits [T, V] FP32 on the CPU)."""
+    its logits [T, V] FP32 on the CPU, the caches it filled)."""
     engine.target.route_trace = []
     try:
-        logits = engine.prefill_logits(tokens)[0].cpu()
-        routes = by_layer_ids(engine.target.route_trace)
+        logits, _, caches = engine.prefill_logits(tokens)
+        parts = _by_layer(engine.target.route_trace)
     finally:
         engine.target.route_trace = None
-    return routes, logits
-
-
-def by_layer_ids(trace: list) -> dict[int, torch.Tensor]:
-    """An engine's route trace [(layer, ids [n, K])] → {layer: ids [T, K]} in row order."""
-    return {i: torch.cat([a for (a,) in v]) for i, v in _by_layer(trace).items()}
+    return {i: torch.cat([a for (a,) in v]) for i, v in parts.items()}, logits.cpu(), caches
 
 
 def find(cand: dict[int, torch.Tensor], matched: dict[int, tuple], fp32: dict[int, tuple],

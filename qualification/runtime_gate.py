@@ -254,13 +254,11 @@ def candidate(s: RuntimeSetup, tokens: torch.Tensor, traced: bool) -> Candidate:
     eng = s.engine
     real = eng.target.ops
     rec = eng.target.ops = KVRecorder(real)
-    eng.target.route_trace = []
     try:
-        got, _, caches = eng.prefill_logits(tokens.tolist())
-        routes = routing_flips.by_layer_ids(eng.target.route_trace)
+        routes, got, caches = routing_flips.runtime_routes(eng, tokens.tolist())
     finally:
-        eng.target.ops, eng.target.route_trace = real, None
-    return Candidate(got.cpu(), routes, rec.kv(caches))
+        eng.target.ops = real
+    return Candidate(got, routes, rec.kv(caches))
 
 
 def judge_prompt(s: RuntimeSetup, g: RuntimeGateConfig, ops: str, i: int, pr: PromptRefs,

@@ -48,7 +48,7 @@ class StabilityConfig:
     seed: int = 11
 
 
-def _rel_rms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def rel_rms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """[T, V] vs [T, V] → [T] rms(x − y) / rms(y) per position, in float64."""
     x, y = x.double(), y.double()
     return (x - y).pow(2).mean(-1).sqrt() / y.pow(2).mean(-1).sqrt()
@@ -121,18 +121,18 @@ def per_position(fp32: ReferenceModel, lower: ReferenceModel, cand_logits: torch
         ref = _logits(fp32, prompt)  # [T, V]
         if lower.precision.matched:  # one row at a time: a row's bits ignore later rows
             longest = _logits(lower, toks[: cfg.length + max(cfg.appends, default=0)])
-            band = _rel_rms(longest[: cfg.length], ref)
+            band = rel_rms(longest[: cfg.length], ref)
         else:
-            band = _rel_rms(_logits(lower, prompt), ref)
+            band = rel_rms(_logits(lower, prompt), ref)
             for a in cfg.appends:
                 band = torch.maximum(
-                    band, _rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
+                    band, rel_rms(_logits(lower, toks[: cfg.length + a])[: cfg.length], ref)
                 )
         if memo is not None:
             memo[key] = ref, band
     else:
         ref, band = memo[key]
-    cand = _rel_rms(cand_logits, ref)
+    cand = rel_rms(cand_logits, ref)
     return cand, band, cfg.multiple * band + cfg.floor
 
 

@@ -64,8 +64,6 @@ class VirtualShardOps:
 
     def __init__(self, base, ops: str, world: int, vocab: int, device: torch.device):
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda" and device.index is None:  # tensors report cuda:N
-            device = torch.device("cuda", torch.cuda.current_device())
         self.base, self.vocab = base, vocab
         self.ranks = [make_sharded_sampler(ops, TPGroup(r, world, backend, device,
                                                         RANK_TIMEOUT_S), vocab)

@@ -58,7 +58,7 @@ def perturbed_flips(mini, scale: float, bias: float) -> list[rf.Flip]:
     g = torch.Generator().manual_seed(0)
     w.mul_(1 + scale * torch.randn(w.shape, generator=g))
     w[5] += bias * w.pow(2).mean().sqrt()
-    cand, _ = rf.runtime_routes(eng, toks.tolist())
+    cand, _, _ = rf.runtime_routes(eng, toks.tolist())
     return rf.find(cand, traces["matched"], traces["fp32"], router, 3.0, 0.0)
 
 

@@ -94,6 +94,8 @@ class TPGroup:
         if self.device.type != want:
             raise ValueError(f"TPGroup: backend {self.backend} needs a {want} device, got "
                              f"{self.device}")
+        if self.device.type == "cuda" and self.device.index is None:  # tensors say cuda:N
+            object.__setattr__(self, "device", torch.device("cuda", torch.cuda.current_device()))
         if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
                 and self.timeout_s > 0):
             raise ValueError(f"TPGroup.timeout_s must be finite and > 0, got {self.timeout_s!r}")
