@@ -29,8 +29,8 @@ from qualification.plants import Plant, planted
 SCALES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
 
 
-def default_plants(layer: int = 4) -> tuple[Plant | None, ...]:
-    return (None, *(Plant("quant_scale", x, layer) for x in SCALES), Plant("no_sink"),
+def default_plants(layer: int = 4, scales: tuple[float, ...] = SCALES) -> tuple[Plant | None, ...]:
+    return (None, *(Plant("quant_scale", x, layer) for x in scales), Plant("no_sink"),
             Plant("window", -1))
 
 
@@ -103,10 +103,15 @@ def main(argv: list[str] | None = None) -> int:
                     default="kernels" if torch.cuda.is_available() else "twins")
     ap.add_argument("--json", type=Path, help="write the rows and the smallest sizes here")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per plant (1–3)")
+    ap.add_argument("--scales", type=float, nargs="+", default=SCALES, metavar="X",
+                    help="relative quantizer-scale errors to plant (default: %(default)s)")
     a = ap.parse_args(argv)
+    if any(not 0 < x < 1 for x in a.scales):
+        ap.error(f"--scales: each must be in (0, 1), got {a.scales}")
     print(f"gate 1 power, {a.ops} ops, mini model, {a.prompts} prompts: one row per plant",
           flush=True)
-    rows = measure(a.ops, g=runtime_gate.RuntimeGateConfig(prompts=a.prompts))
+    rows = measure(a.ops, default_plants(scales=tuple(a.scales)),
+                   runtime_gate.RuntimeGateConfig(prompts=a.prompts))
     print(table(rows, a.ops))
     least = smallest(rows)
     for kind, checks in least.items():

@@ -25,6 +25,8 @@ class QualifyConfig:
     weights_seed: int = 0  # tiny
     tokens_seed: int = 5  # tiny: gate 0's random prompt
     only: tuple[str, ...] = ()  # gate names (GATE_NAMES) to run; () = all
+    jobs: int = 1  # gates side by side, each in its own process (qualification/gate_pool.py)
+    gate_timeout_s: float = 1800.0  # jobs > 1: a gate running longer is killed and fails
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from qualification import (
     distribution,
     distribution_e2e,
     engine_cache_gate,
+    gate_pool,
     goldens,
     lockstep,
     lockstep_rank,
@@ -323,34 +324,67 @@ def parse(argv: list[str] | None = None) -> QualifyConfig:
     ap.add_argument("--only", nargs="+", metavar="GATE", choices=GATE_NAMES,
                     help="run only these gates (a subset report, titled so; never a "
                          f"qualification): {', '.join(GATE_NAMES)}")
+    ap.add_argument("--jobs", type=int, default=gate_pool.default_jobs(),
+                    help="gates run side by side, each in its own process (default: one per "
+                         "core, at most 4; 1: one after another in this process)")
+    ap.add_argument("--gate-timeout", type=float, default=1800.0, metavar="S",
+                    help="with --jobs > 1: a gate still running after S seconds is killed and "
+                         "fails")
     a = ap.parse_args(argv)
-    return QualifyConfig(quick=a.quick, out=a.out, model=a.model, only=tuple(a.only or ()))
+    if a.jobs < 1:
+        ap.error(f"--jobs must be ≥ 1, got {a.jobs}")
+    if a.gate_timeout <= 0:
+        ap.error(f"--gate-timeout must be > 0, got {a.gate_timeout}")
+    return QualifyConfig(quick=a.quick, out=a.out, model=a.model, only=tuple(a.only or ()),
+                         jobs=a.jobs, gate_timeout_s=a.gate_timeout)
+
+
+def run_gate(gate: Callable, q: QualifyConfig, models: GateModels) -> GateResult:
+    """One gate in this process, timed; a crash is a FAIL naming the exception."""
+    t0 = time.perf_counter()
+    try:
+        res = gate(q, models)
+    except Exception as e:  # a crashed gate fails; the others still run and report
+        tb = traceback.format_exception(e)
+        res = GateResult(gate.__name__.removeprefix("gate_"), FAIL,
+                         f"crashed: {type(e).__name__}",
+                         [f"{type(e).__name__}: {e}", "".join(tb[-3:])[-1500:]])
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _in_turn(q: QualifyConfig, models: GateModels, names: list[str]) -> dict[str, GateResult]:
+    out = {}
+    for i, gate in enumerate(GATES):
+        name = gate.__name__.removeprefix("gate_")
+        if name not in names:
+            continue
+        print(f"[{i + 1}/{len(GATES)}] {gate.__name__}…", flush=True)
+        res = out[name] = run_gate(gate, q, models)
+        print(f"      {res.verdict} in {res.seconds:.0f} s", flush=True)
+        if res.verdict == FAIL:  # now: a run stopped later by a time limit still shows why
+            print("\n".join(f"      | {e[:400]}" for e in res.evidence[:6]), flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     q = parse(argv)
     torch.set_num_threads(1)
+    t0 = time.perf_counter()
     models = _models(q)
-    results = []
-    for i, gate in enumerate(GATES):
-        t0 = time.perf_counter()
-        name = gate.__name__.removeprefix("gate_")
-        if q.only and name not in q.only:
-            results.append(GateResult(name, NOT_RUN, "-", ["left out by --only"]))
-            continue
-        print(f"[{i + 1}/{len(GATES)}] {gate.__name__}…", flush=True)
-        try:
-            res = gate(q, models)
-        except Exception as e:  # a crashed gate fails; the others still run and report
-            tb = traceback.format_exception(e)
-            res = GateResult(name, FAIL, f"crashed: {type(e).__name__}",
-                             [f"{type(e).__name__}: {e}", "".join(tb[-3:])[-1500:]])
-        res.seconds = time.perf_counter() - t0
-        results.append(res)
-        print(f"      {res.verdict} in {res.seconds:.0f} s", flush=True)
-        if res.verdict == FAIL:  # now: a run stopped later by a time limit still shows why
-            print("\n".join(f"      | {e[:400]}" for e in res.evidence[:6]), flush=True)
+    every = [g.__name__.removeprefix("gate_") for g in GATES]
+    names = [n for n in every if not q.only or n in q.only]
+    if q.jobs > 1 and len(names) > 1:
+        print(f"{len(names)} gates, {q.jobs} at a time, each in its own process", flush=True)
+        options = ["--model", q.model, *(["--quick"] if q.quick else [])]
+        done = gate_pool.run(names, options, q.jobs, q.gate_timeout_s,
+                             lambda t: print(t, flush=True))
+    else:
+        done = _in_turn(q, models, names)
+    results = [done.get(n) or GateResult(n, NOT_RUN, "-", ["left out by --only"])
+               for n in every]
     print(table(results))
+    wall = time.perf_counter() - t0
     meta = {
         "revision": revision(),
         "command": " ".join(["python -m qualification.qualify", *(argv or sys.argv[1:])]),
@@ -359,14 +393,17 @@ def main(argv: list[str] | None = None) -> int:
                            "3c, 3d, "
                            "3e, 3f, 4b, 5b, 6b, 6c, 7, 7b: mini",
         "seeds": {"weights": q.weights_seed, "tokens": q.tokens_seed},
+        "gate processes": (f"{q.jobs} at a time" if q.jobs > 1 and len(names) > 1
+                           else "one process, in turn"),
+        "wall seconds": round(wall, 1),
         "environment": environment(),
     }
     if q.only:
         meta["subset"] = f"only {', '.join(q.only)}: NOT a qualification run"
     json_path, md_path = write_reports(q.out, results, meta)
     built = [r for r in results if r.verdict not in (NOT_BUILT, GPU_ONLY, NOT_RUN)]
-    print(f"{len(built)} of {len(results)} gates built and run here; reports: {json_path}, "
-          f"{md_path}")
+    print(f"{len(built)} of {len(results)} gates built and run here in {wall:.0f} s; reports: "
+          f"{json_path}, {md_path}")
     return 1 if any(r.verdict == FAIL for r in results) else 0
 
 

@@ -199,6 +199,11 @@ def setup(g: RuntimeGateConfig, ops: str) -> RuntimeSetup:
     return RuntimeSetup(engines, refs, prompts)
 
 
+def band_config(g: RuntimeGateConfig) -> stability.StabilityConfig:
+    """Check 2's FP32 stability band for one prompt of g.length tokens."""
+    return stability.StabilityConfig(prompts=1, length=g.length, appends=(1, APPENDS))
+
+
 @dataclass
 class PromptVerdict:
     matched_ok: bool  # check 1: twins bit-exact, kernels within the matched band
@@ -217,11 +222,16 @@ class PromptRefs:
     candidate; gate1_power judges many on the same prompts)."""
 
     def __init__(self, s: RuntimeSetup, g: RuntimeGateConfig, full: torch.Tensor):
-        self.full, toks = full, full[: g.length]
-        # one traced forward gives the matched logits [T, V] and routes
-        self.matched_routes, self.want = routing_flips.reference_routes(
-            s.refs["matched"], toks, with_logits=True)
+        self.full, T = full, g.length
+        # one traced forward over all T + APPENDS tokens gives the matched logits and routes of
+        # the judged T (the matched reference computes row at a time: later rows change no bit)
+        # and the stability band's longest append
+        routes, logits = routing_flips.reference_routes(s.refs["matched"], full, with_logits=True)
+        self.matched_routes = {i: (x[:T], ids[:T]) for i, (x, ids) in routes.items()}
+        self.want = logits[:T]  # [T, V]
         self.stability: dict = {}  # stability.per_position's memo
+        stability.remember_matched(self.stability, s.refs["fp32"], s.refs["matched"],
+                                   band_config(g), full, logits)
         self._fp32_routes: dict | None = None
         self._band: matched_band.BandReference | None = None
         self._s, self._g = s, g
@@ -266,7 +276,7 @@ def judge_prompt(s: RuntimeSetup, g: RuntimeGateConfig, ops: str, i: int, pr: Pr
     """Prompt i's two checks (module docstring) on the candidate's prefill."""
     got, routes = cand.logits, cand.routes
     want, served = pr.want, SamplingDefaults(1.0, g.top_k, 0.95)
-    band_cfg = stability.StabilityConfig(prompts=1, length=g.length, appends=(1, APPENDS))
+    band_cfg = band_config(g)
     evidence, matched_share, flips = [], None, None
     if ops == "twins":
         matched_ok = torch.equal(got, want)

@@ -110,12 +110,28 @@ def run(
     return ok, worst, evidence
 
 
+def _key(fp32: ReferenceModel, lower: ReferenceModel, cfg: StabilityConfig, toks: torch.Tensor):
+    return id(fp32), id(lower), cfg, tuple(toks.tolist())
+
+
+def remember_matched(memo: dict, fp32: ReferenceModel, lower: ReferenceModel,
+                     cfg: StabilityConfig, toks: torch.Tensor, lower_logits: torch.Tensor) -> None:
+    """Fill per_position's memo for one prompt from the row-at-a-time `lower` reference's logits
+    [≥ T, V] of a forward the caller already ran over toks (its first T = cfg.length rows are the
+    band's at every append: a row's bits ignore later rows)."""
+    if not lower.precision.matched:
+        raise ValueError("stability.remember_matched: only a row-at-a-time (matched) reference's "
+                         "rows ignore the appended tokens")
+    ref = _logits(fp32, toks[: cfg.length])
+    memo[_key(fp32, lower, cfg, toks)] = ref, rel_rms(lower_logits[: cfg.length], ref)
+
+
 def per_position(fp32: ReferenceModel, lower: ReferenceModel, cand_logits: torch.Tensor,
                  cfg: StabilityConfig, toks: torch.Tensor, memo: dict | None = None):
     """(cand, band, allowed), each [T = cfg.length] float64, for one prompt toks [≥ T +
     max(appends)] and the candidate's logits [T, V] on its first T tokens. memo: a dict that
     keeps the candidate-independent FP32 logits and band per prompt across calls."""
-    key = (id(fp32), id(lower), cfg, tuple(toks.tolist()))
+    key = _key(fp32, lower, cfg, toks)
     if memo is None or key not in memo:
         prompt = toks[: cfg.length]
         ref = _logits(fp32, prompt)  # [T, V]

@@ -8,8 +8,10 @@
 #   serial    pytest -m gpu on one worker
 #   gates1    qualify --only lockstep runtime (gate 1b and gate 1 on the kernels)
 #   power     python -m qualification.gate1_power --prompts 1 (planted defects through gate 1)
+#   powersmall the same for the smallest quantizer-scale errors only (0.01 %, 0.03 %, 0.1 %)
 #   moe       python -m benchmarks.exp_moe_rounding (the MoE kernel vs its twin, stage by stage)
 #   kcontrols the kernel-level negative controls (compiled)
+#   controls  every negative control (python -m negative_controls.run, 4 gate processes)
 #   qualify   the full python -m qualification.qualify
 #   gate1test the GPU tests of tests/test_qualification.py (gate 1 on the kernels, missing sink)
 # Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
@@ -47,6 +49,11 @@ for phase in $phases; do
     power)
       timeout 420 python -m qualification.gate1_power --prompts 1 --json "$out/power.json" 2>&1 \
         | tee "$out/power.log" ;;
+    powersmall)
+      timeout 300 python -m qualification.gate1_power --prompts 1 --scales 1e-4 3e-4 1e-3 \
+        --json "$out/power_small.json" 2>&1 | tee "$out/power_small.log" ;;
+    controls)
+      timeout 590 python -m negative_controls.run --jobs 4 2>&1 | tee "$out/controls.log" ;;
     moe)
       timeout 200 python -m benchmarks.exp_moe_rounding --json "$out/moe.json" 2>&1 \
         | tee "$out/moe.log" ;;

@@ -15,7 +15,7 @@ def test_a_crashing_gate_fails_and_the_others_still_run(monkeypatch, tmp_path, c
         return GateResult("fine", PASS, "ok", ["ran"])
 
     monkeypatch.setattr(qualify, "GATES", (gate_boom, gate_fine))
-    assert qualify.main(["--out", str(tmp_path)]) == 1
+    assert qualify.main(["--jobs", "1", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "[1/2] gate_boom" in out and "[2/2] gate_fine" in out, out
     rows = {r["gate"]: r for r in json.loads((tmp_path / "qualify.json").read_text())["gates"]}
