@@ -34,6 +34,33 @@ def _inv_rms_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:  # [R, H] → [R
     return 1.0 / torch.sqrt(ms + eps)
 
 
+def _bits(x: float) -> int:
+    """Significant bits of an FP32 value's mantissa (trailing zeros dropped)."""
+    m = torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & 0x7FFFFF | 0x800000
+    return 24 - (m & -m).bit_length() + 1
+
+
+def _row_diag(h, f, tf, w, eps: float, layer) -> list[str]:
+    """Per row with flips of f: the count, the row's mean square against eps, the FP64 and FP32
+    inverse norms and the FP32 one's significant bits, distinct |h| among the flipped."""
+    out = []
+    for r in range(h.shape[0]):
+        bad = (f[r].float() != tf[r].float()).nonzero().flatten()
+        if bad.numel() == 0:
+            continue
+        hd = h[r].double()
+        ms = float(hd.pow(2).mean())
+        inv64 = 1.0 / (ms + eps) ** 0.5
+        inv32 = float(_inv_rms_fp32(h[r : r + 1], eps).cpu())
+        vals = h[r, bad].float().abs().unique().numel()
+        out.append(f"  flips {layer} row {r}: {bad.numel()} of {h.shape[1]}, distinct |h| {vals}; "
+                   f"ms {ms:.3e} (eps {eps:g}); inv fp64 {inv64:.9e} fp32 {inv32:.9e} "
+                   f"({_bits(inv32)} significant bits); w distinct {w.float().unique().numel()}; "
+                   f"first {bad[:4].tolist()}: h {h[r, bad[:4]].float().tolist()} kernel "
+                   f"{f[r, bad[:4]].float().tolist()} twin {tf[r, bad[:4]].float().tolist()}")
+    return out
+
+
 def _flips(a: torch.Tensor, b: torch.Tensor) -> tuple[int, float]:
     s = grid_steps(a.cpu(), b.cpu(), "bf16")
     return int((s > 0).sum()), float(s.max())
@@ -57,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         n = live.n
         h, f = got.h[:n], got.f_in[:n]
         emul = (h.float() * _inv_rms_fp32(h, kw["eps"]) * ffn.float()).to(torch.bfloat16)
+        diag = _row_diag(h, f, want.f_in[:n], ffn, kw["eps"], self.layer)
+        if diag:
+            print("\n".join(diag), flush=True)
         calls["attn_tail"].append(dict(
             layer=self.layer, n=n, kw={k: _cpu(v) for k, v in kw.items()},
             inputs=[_cpu(x) for x in (parts, xn, aon, ffn)], h=_cpu(h), f_in=_cpu(f),
@@ -110,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in keep[op]:
             print(f"  {c['layer']} n={c['n']} {c['pairs']}")
     a.out.mkdir(parents=True, exist_ok=True)
-    torch.save(keep, a.out / "norm_flips.pt")
+    small = {op: [{k: v for k, v in c.items() if k not in ("inputs", "kw")} for c in rows[:2]]
+             for op, rows in keep.items()}
+    torch.save(small, a.out / "norm_flips.pt")  # outputs only: the inputs are too large to fetch
     print(f"\nsaved {a.out / 'norm_flips.pt'}")
     return 0
 
