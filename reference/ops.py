@@ -44,7 +44,9 @@ def exp32(x: torch.Tensor) -> torch.Tensor:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=None) -> torch.Tensor:
     """x · rsqrt(mean(x²) + eps) · weight over the last dim (plain weight, not 1 + w), in FP64,
-    rounded once."""
+    then round_to (FP32, then the output dtype): where the FP64 value lies within an FP32
+    rounding of a bf16 midpoint this can differ by one bf16 step from a kernel that rounds its
+    FP32 inverse norm and products (the norms' flip rows in qualification/tolerances.py)."""
     xd = x.double()
     y = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
     return round_to(y, out_dtype or x.dtype)
