@@ -178,21 +178,26 @@ def tp_rank(a) -> int:
 
 
 class _Stream:
-    """Prints new tokens as they arrive (text through the tokenizer when there is one)."""
+    """Prints new tokens as they arrive: text through the tokenizer's incremental decoder when
+    there is one (a character split over tokens is printed once complete, never as U+FFFD), else
+    the ids."""
 
     def __init__(self, tokenizer, enabled: bool):
-        self.tok, self.enabled, self.ids, self.text = tokenizer, enabled, [], ""
+        from tokenizers.decoders import DecodeStream
+
+        self.tok, self.enabled = tokenizer, enabled
+        self.decoder = DecodeStream(skip_special_tokens=True)  # as Tokenizer.decode's default
 
     def __call__(self, new: list[int]) -> None:
         if not self.enabled:
             return
-        self.ids += new
         if self.tok is None:
             sys.stdout.write(" ".join(map(str, new)) + " ")
         else:
-            text = self.tok.decode(self.ids)
-            sys.stdout.write(text[len(self.text):])
-            self.text = text
+            for i in new:
+                piece = self.decoder.step(self.tok, i)  # None until a piece is complete
+                if piece:
+                    sys.stdout.write(piece)
         sys.stdout.flush()
 
 

@@ -234,6 +234,27 @@ def test_prompt_text_uses_the_checkpoints_tokenizer(tmp_path, capsys):
     assert out[1] == tok.decode(want)
 
 
+def test_streamed_text_is_whole_utf8_characters(capsys):
+    """Characters the mini tokenizer splits over byte tokens (ï, 😀, —, ü, ß) stream as whole
+    UTF-8 characters, chunk by chunk, never as U+FFFD; the concatenation is the decoded text."""
+    from iquestrt.files import checkpoint_tokenizer
+    from iquestrt.run import _Stream
+    from qualification import mini_engine
+
+    tok = checkpoint_tokenizer(mini_engine.MINI)
+    text = "naïve 😀 — Grüße"
+    ids = tok.encode(text).ids
+    assert len(ids) > len(text.split())  # the characters are split over several tokens
+    stream = _Stream(tok, enabled=True)
+    capsys.readouterr()
+    pieces = []
+    for i in range(0, len(ids), 2):  # rounds of two tokens
+        stream(ids[i : i + 2])
+        pieces.append(capsys.readouterr().out)
+    assert "".join(pieces) == text == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+
+
 def test_generate_defaults_to_the_mini_model_and_streams_text(capsys):
     """No --checkpoint: the shipped mini model; --stream prints the decoded text as it comes,
     equal to the text of the same request without streaming (per backend: the runtime rounds
