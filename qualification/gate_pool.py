@@ -51,14 +51,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-def _run_one(name: str, options: Sequence[str], timeout_s: float,
-             say: Callable[[str], None]) -> GateResult:
+def _run_one(name: str, options: Sequence[str], timeout_s: float, say: Callable[[str], None],
+             live: set[subprocess.Popen]) -> GateResult:
     cmd = [sys.executable, "-m", "qualification.gate_pool", name, *options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     # its own process group: a kill reaches what it started too (compilers holding the pipe)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
+    live.add(proc)
     killed = threading.Event()
 
     def kill() -> None:  # the bounded wait: a gate still running after timeout_s is killed
@@ -84,6 +85,7 @@ def _run_one(name: str, options: Sequence[str], timeout_s: float,
         if proc.poll() is None:
             _kill_group(proc)
             proc.wait()
+        live.discard(proc)
     seconds = time.perf_counter() - t0
     if result is not None and rc == 0:
         result.seconds = seconds
@@ -110,14 +112,23 @@ def run(names: Sequence[str], options: Sequence[str], jobs: int, timeout_s: floa
 
     order = sorted(names, key=lambda n: -COST_S.get(n, 0))
     out: dict[str, GateResult] = {}
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(_run_one, n, options, timeout_s, locked_say): n for n in order}
+    live: set[subprocess.Popen] = set()  # the gate processes running now
+    pool = ThreadPoolExecutor(max_workers=jobs)
+    try:
+        futures = {pool.submit(_run_one, n, options, timeout_s, locked_say, live): n
+                   for n in order}
         for done, fut in enumerate(as_completed(futures), 1):
             name, res = futures[fut], fut.result()
             out[name] = res
             locked_say(f"[{done}/{len(order)}] {name}: {res.verdict} in {res.seconds:.0f} s")
             if res.verdict == FAIL:
                 locked_say("\n".join(f"      | {e[:400]}" for e in res.evidence[:6]))
+    except BaseException:  # Ctrl-C or a bug here: the gate processes (own sessions) go too
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(live):
+            _kill_group(proc)
+        raise
+    pool.shutdown(wait=True)
     return out
 
 

@@ -50,3 +50,35 @@ def test_bad_pool_options_are_refused(args, msg, capsys):
     with pytest.raises(SystemExit):
         qualify.parse(args)
     assert msg in capsys.readouterr().err
+
+
+def _gate_processes() -> list[int]:
+    from pathlib import Path
+
+    pids = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if b"qualification.gate_pool" in (p / "cmdline").read_bytes():
+                pids.append(int(p.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_an_interrupt_takes_the_gate_processes_with_it():
+    """Ctrl-C in qualify (here: raised from its progress output) kills the running gate
+    processes — they run in their own sessions, so the terminal's SIGINT would not reach them."""
+    import time
+
+    def interrupt(_line):
+        raise KeyboardInterrupt
+
+    before = set(_gate_processes())
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):  # at readiness's result line (≈ 10 s in)
+        gate_pool.run(["readiness", "lockstep"], [], jobs=2, timeout_s=600, say=interrupt)
+    assert time.monotonic() - t0 < 60  # lockstep (≈ 2 min here) was not waited for
+    deadline = time.monotonic() + 10
+    while set(_gate_processes()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(_gate_processes()) - before
