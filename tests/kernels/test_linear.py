@@ -32,7 +32,7 @@ from kernels.linear import (
     linear_fp8_splits,
     split_plan,
 )
-from qualification.tolerances import check, tolerance
+from qualification.tolerances import check, grid_steps, tolerance
 from reference import ops
 from reference.dense_twins import (
     linear_bf16_f32_ref,
@@ -148,13 +148,6 @@ def assert_live_written_pad_untouched(out: torch.Tensor, live: int, what: str) -
     assert (pad == POISON_BITS[out.dtype][1]).all(), f"{what}: padding rows were written"
 
 
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    def ordered(t):
-        v = bits(t.to(torch.bfloat16)).int()
-        return torch.where(v < 0, -(v & 0x7FFF), v)
-    return (ordered(a) - ordered(b)).abs()
-
-
 def fails(fn) -> str:
     with pytest.raises(AssertionError) as err:
         fn()
@@ -194,7 +187,7 @@ def run_fp8(case: Case, seed: int, snapped: bool, device) -> dict[str, object]:
             report["out fp32"] = check(got, twin, "kernels.linear_fp8", "fp32")
         else:
             report["out bf16"] = check(got, twin, "kernels.linear_fp8", "bf16")
-            ulps = bf16_ulps(got, twin)  # > 1 only where |y| ≪ max|y| (cancellation)
+            ulps = grid_steps(got, twin, "bf16")  # > 1 only where |y| ≪ max|y| (cancellation)
             report["bf16 ulp flips"] = (f"{int((ulps > 0).sum())} of {ulps.numel()}, "
                                         f"max {int(ulps.max())}")
     # the bf16 output is the RNE of the same FP32 sum
@@ -406,7 +399,7 @@ def test_linear_bf16_matches_twin(case, snapped, device):
             m = check(out.cpu()[:live], twin, "kernels.linear_bf16_f32", "fp32")
         else:
             m = check(out.cpu()[:live], twin, "kernels.linear_fp8", "bf16")  # same mechanism
-            ulps = bf16_ulps(out.cpu()[:live], twin)
+            ulps = grid_steps(out.cpu()[:live], twin, "bf16")
             m = f"{m}; {int((ulps > 0).sum())} of {ulps.numel()} bf16 elements differ"
         outs[dtype] = out.cpu()[:live]
         print(f"\n  [{case.name}] {dtype}: {m}")

@@ -24,7 +24,7 @@ import torch
 from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8, moe_launch
-from qualification.tolerances import check, tolerance
+from qualification.tolerances import check, grid_steps, tolerance
 from reference import ops
 from reference.fp8_ops import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
 from tests.kernels.sm90 import compile_sm90
@@ -131,14 +131,6 @@ def to_dev(inp: Inputs, device, strided: bool = False) -> Inputs:
     return Inputs(x, weights, ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
 
 
-def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise distance in bf16 ulps (ordered bit patterns; ±0 coincide)."""
-    def ordered(t):
-        v = t.contiguous().view(torch.int16).int()
-        return torch.where(v < 0, -(v & 0x7FFF), v)
-    return (ordered(a) - ordered(b)).abs()
-
-
 def qual5_metric(x: torch.Tensor, y: torch.Tensor) -> float:
     """QUALIFICATION.md §5: 1 − 2⟨x,y⟩ / (|x|² + |y|²) in fp64, per output row [n, H]; the
     worst row (a dropped slot in one row must not be averaged away by the others)."""
@@ -199,7 +191,7 @@ def run_case(case: Case, seed: int, device) -> dict[str, object]:
     # moe_fp8 recomputes stage 1 deterministically (no atomics), i.e. exactly `a`
     staged = moe_down_fp8_ref(a, inp.weights, inp.ids, inp.proj, inp.proj_s, inp.n)
     report["bf16"] = check(o, staged, "kernels.moe", "bf16")
-    ulps = bf16_ulps(o, staged)
+    ulps = grid_steps(o, staged, "bf16")
     assert ulps.max() <= 1, f"bf16 output off by {int(ulps.max())} ulps from the twin"
     report["bf16_ulp_flips"] = f"{int((ulps > 0).sum())} of {ulps.numel()}"
     twin = moe_fp8_ref(inp.x, inp.weights, inp.ids, inp.fc, inp.fc_s, inp.proj, inp.proj_s, inp.n)
