@@ -10,9 +10,14 @@ AdaptiveDepth.more (host fp32 arithmetic, reference/depth.py) must say "one more
 1 … d − 1 drafts and "stop" after d (unless d = max_depth, where no decision is taken).
 
 Policies: the mini model's fitted policy (models/mini/depth_policy.json) and the unfitted prior
-(reference.depth.default_adaptive); each decodes the median prompt of every request kind. The
-margin is the smallest |s_j − threshold| over the decisions compared at decision depths: how far
-the closest decision was from flipping.
+(reference.depth.default_adaptive); each decodes the median prompt of every request kind with
+every seed. "One more" is rare (a handful in a hundred decisions), and one seed's decode of the
+kernels can have none for a policy while the twins' has three, so each policy must decide both
+ways here, or the gate fails for want of evidence. The margin is the smallest |s_j − threshold|
+over the decisions compared at decision depths: how far the closest decision was from flipping.
+Sensitivity, per policy: a device whose comparison is offset upward by more than the smallest
+s_j − threshold of a "more" (or downward by more than that of a "stop") flips a compared
+decision, so the evidence states both.
 
 Ops: twins on the CPU; kernels with CUDA graphs on a GPU (the later depths sit in conditional
 nodes, iquestrt/cond_graph.py).
@@ -35,7 +40,7 @@ class DepthPolicyGateConfig:
     kinds: tuple[str, ...] = KINDS
     prompt_tokens: int = 20
     new_tokens: int = 48
-    seed: int = 5
+    seeds: tuple[int, ...] = (5, 6, 7)
 
 
 def policy(name: str) -> AdaptiveDepth:
@@ -55,6 +60,8 @@ class Tally:
     forced: int = 0  # after 1 … min_depth − 1 drafts: "one more" without a score
     more: int = 0  # decisions "one more" at decision depths
     closest: float = float("inf")  # min |s − threshold| over decisions
+    above: float = float("inf")  # min s − threshold over "more" decisions
+    below: float = float("inf")  # min threshold − s over "stop" decisions
     first_bad: str | None = None
 
 
@@ -72,6 +79,10 @@ def check_rounds(p: AdaptiveDepth, rounds, where: str, t: Tally) -> None:
                 t.more += ran
                 s = p.score(j, *host_features(r.drafts[:j]))
                 t.closest = min(t.closest, abs(s - p.threshold))
+                if ran:
+                    t.above = min(t.above, s - p.threshold)
+                else:
+                    t.below = min(t.below, p.threshold - s)
             if want != ran and t.first_bad is None:
                 score = (f"s = {p.score(j, *host_features(r.drafts[:j])):.6g} vs threshold "
                          f"{p.threshold:.6g}" if j >= p.min_depth else "a forced depth")
@@ -88,28 +99,32 @@ def run(g: DepthPolicyGateConfig | None = None) -> tuple[bool, str, list[str]]:
     g = g or DepthPolicyGateConfig()
     w = device_engine.weights(mini_engine.load_mini())
     prompts = mini_engine.prompts(g.prompt_tokens, kinds=g.kinds)
-    ev, facts, closest, more, stop = [], [], float("inf"), 0, 0
+    if not g.seeds:
+        raise ValueError("DepthPolicyGateConfig.seeds: empty (at least one seed)")
+    ev, facts, closest = [], [], float("inf")
     for name in g.policies:
         p = policy(name)
         eng = device_engine.engine(w, p, graphs=True)
         t, depths = Tally(), Counter()
-        for prompt in prompts:
-            res = eng.generate(GenerationRequest(prompt.ids, g.new_tokens,
-                                                 mini_engine.SAMPLING, g.seed))
-            depths.update(len(r.drafts) for r in res.rounds)
-            check_rounds(p, res.rounds, f"{name} policy, {prompt.id}", t)
+        for seed in g.seeds:
+            for prompt in prompts:
+                res = eng.generate(GenerationRequest(prompt.ids, g.new_tokens,
+                                                     mini_engine.SAMPLING, seed))
+                depths.update(len(r.drafts) for r in res.rounds)
+                check_rounds(p, res.rounds, f"{name} policy, {prompt.id}, seed {seed}", t)
         if t.first_bad:
             ev.append(t.first_bad)
-        more, stop = more + t.more, stop + t.decisions - t.more
+        if t.more in (0, t.decisions):
+            ev.append(f"{name} policy: all {t.decisions} decisions were "
+                      f"'{'more' if t.more else 'stop'}' (nothing to tell a wrong decision from)")
         closest = min(closest, t.closest)
         facts.append(f"{name} (threshold {p.threshold:.6g}): {t.rounds} rounds, depths "
                      f"{dict(sorted(depths.items()))}, {t.decisions} decisions compared "
-                     f"({t.more} more, {t.decisions - t.more} stop) + {t.forced} forced")
-    if not more or not stop:  # a policy alone may decide one way on these prompts (kernels)
-        ev.append(f"all {more + stop} decisions of the policies {list(g.policies)} were "
-                  f"'{'more' if more else 'stop'}' (nothing to tell a wrong decision from)")
+                     f"({t.more} more, {t.decisions - t.more} stop) + {t.forced} forced; "
+                     f"a device offset above {t.above:.3g} or below -{t.below:.3g} flips one")
     ok = not ev
     ops = "kernels with CUDA graphs" if device_engine.on_gpu() else "twins"
-    ev.append(f"{ops}, {len(prompts)} prompts x {g.new_tokens} tokens: " + "; ".join(facts)
+    ev.append(f"{ops}, {len(prompts)} prompts x {len(g.seeds)} seeds x {g.new_tokens} tokens: "
+              + "; ".join(facts)
               + ("; every device decision equals the reference's" if ok else ""))
     return ok, f"closest decision |s - threshold| = {closest:.3g}", ev
