@@ -32,10 +32,11 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from corpus.sites import Site, find_sites, line_starts, next_line_start
-from corpus.stdlib import DEFAULT_SPLIT, REPO, SourceFile, load_split
+from corpus.stdlib import DEFAULT_SPLIT, SourceFile, load_split
 from corpus.tokenizer import DEFAULT_TOKENIZER, file_sha256, load_tokenizer
+from iquestrt import assets
 
-DEFAULT_REQUESTS = REPO / "data" / "requests" / "v1"
+DEFAULT_REQUESTS = assets.data("requests", "v1")
 KINDS = ("completion", "docstring", "edit")
 FIELDS = ("id", "kind", "path", "source_sha256", "qualname", "line", "char_start", "char_end",
           "suffix", "target_start", "target_end", "prompt_tokens", "prompt")

@@ -27,8 +27,9 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_SPLIT = REPO / "data" / "corpus_split.json"
+from iquestrt import assets
+
+DEFAULT_SPLIT = assets.data("corpus_split.json")
 SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 SPLIT_FORMAT = 1
 

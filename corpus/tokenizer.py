@@ -18,9 +18,10 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from corpus.stdlib import DEFAULT_SPLIT, REPO, load_split
+from corpus.stdlib import DEFAULT_SPLIT, load_split
+from iquestrt import assets
 
-DEFAULT_TOKENIZER = REPO / "data" / "tokenizer.json"
+DEFAULT_TOKENIZER = assets.data("tokenizer.json")
 EOT = "<|endoftext|>"
 PAD = "<|pad|>"
 

@@ -6,8 +6,6 @@ import argparse
 import sys
 from pathlib import Path
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[1] / "models" / "mini"
-
 EXIT_USAGE = 2
 
 
@@ -62,9 +60,9 @@ def _build() -> argparse.ArgumentParser:
         description="Generate with speculative decoding (recursive MTP draft, rejection "
         "sampling). Prints the new tokens and, per round, drafted/accepted counts.",
     )
-    g.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT,
+    g.add_argument("--checkpoint", type=Path, default=None,
                    help="checkpoint directory (default: the shipped trained mini model, "
-                   "models/mini)")
+                   "models/mini; $IQUESTRT_DATA/models/mini when that is set)")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt-ids", type=_int_list, help="prompt token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
@@ -73,7 +71,10 @@ def _build() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, help="0 = greedy (default: model's)")
     g.add_argument("--top-k", type=int, help="0 = off (default: model's)")
     g.add_argument("--top-p", type=float, help="1.0 = off (default: model's)")
-    g.add_argument("--stop-ids", type=_int_list, default=[], help="stop token ids, e.g. 0,2")
+    g.add_argument("--stop-ids", type=_int_list, default=[], help="stop token ids, e.g. 0,2 "
+                   "(the checkpoint's end-of-sequence ids stop it too)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's end-of-sequence ids")
     g.add_argument(
         "--backend",
         choices=("reference", "runtime"),

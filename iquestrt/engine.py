@@ -33,6 +33,7 @@ W served width (top_k, 1 when greedy).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -201,8 +202,13 @@ class Engine:
         st = Session(req, *self._request_caches(), list(req.prompt_ids))
         self.session = st
         try:
-            first, hidden = self._prefill(st)
-            if self._emit(st, [first]):
+            t0 = time.perf_counter()
+            first, hidden = self._prefill(st)  # the first token is on the host: synced
+            st.result.timing.prefill_s = time.perf_counter() - t0
+            done = self._emit(st, [first])
+            if on_tokens is not None and on_tokens([first]) is False and not done:
+                st.result.stop_reason, done = "cancelled", True  # nothing decoded to settle
+            if done:
                 return st.result
             st.tokens.append(first)
             self._decode(st, hidden, on_round, on_tokens)
@@ -272,8 +278,15 @@ class Engine:
         return tok, hidden
 
     def _decode(self, st: Session, hidden: torch.Tensor, on_round, on_tokens=None) -> None:
+        t, built = time.perf_counter(), self.programs.built
         launcher = self._prepare(st, hidden)
+        if self.w.device.type == "cuda":
+            torch.cuda.synchronize(self.w.device)  # once a request: the set-up's end, timed
+        st.result.timing.setup_s = time.perf_counter() - t
+        st.result.timing.captured = self.rcfg.graphs and self.programs.built > built
+        t = time.perf_counter()
         self._loop(st, launcher, on_round, on_tokens)
+        st.result.timing.decode_s = time.perf_counter() - t  # the loop ends on a log read
 
     def _prepare(self, st: Session, hidden: torch.Tensor):
         """Device state from the prefill, and the round program (captured when graphs are on):
@@ -311,7 +324,7 @@ class Engine:
             every = st.req.max_new_tokens  # a round emits >= 1 token: one launch runs it all
         else:
             every = self.rcfg.sync_rounds
-        read, sent = 0, 0
+        read, sent = 0, len(st.result.tokens)  # the prefill's token went out already
         while True:
             launcher.launch(read, every)
             if ds.tokens.device.type == "cuda":

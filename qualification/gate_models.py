@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from iquestrt import assets
 from qualification import mini_engine
 from reference.config import preset
 from reference.model import ReferenceModel
@@ -59,7 +60,7 @@ def _mini() -> GateModels:
     params = ckpt.dequantized()
     length, prefix = 160, 140  # mini target window 128
     prompts = mini_engine.prompts(length + 8)  # one per request kind, real text
-    where = mini_engine.MINI.relative_to(mini_engine.REPO)
+    where = mini_engine.MINI.relative_to(assets.root())
     desc = (f"mini ({where}, sha256 {mini_engine.checkpoint_digest()[:12]}); gate 0/1 prompts: "
             f"the last {length} (+8) tokens of {', '.join(p.id for p in prompts)}")
     refs = {p: ReferenceModel(ckpt.cfg, params, p) for p in ("fp32", "bf16")}

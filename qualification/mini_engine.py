@@ -16,12 +16,12 @@ from pathlib import Path
 
 from corpus.requests import DEFAULT_REQUESTS, KINDS, load_requests
 from corpus.tokenizer import load_tokenizer
+from iquestrt import assets
 from reference.checkpoint import INDEX, Checkpoint, load_checkpoint
 from reference.config import SamplingDefaults
 from reference.depth import FixedDepth
 
-REPO = Path(__file__).resolve().parents[1]
-MINI = REPO / "models" / "mini"
+MINI = assets.default_model()
 SAMPLING = SamplingDefaults(temperature=1.0, top_k=20, top_p=0.95)  # the model's defaults
 RING_PAD = 8  # rings of window + 8 slots: the smallest legal pad at width 8, so rings wrap early
 

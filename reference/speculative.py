@@ -20,6 +20,7 @@ Depth 0 (no speculation) is plain target sampling with TARGET_SAMPLE at every po
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -74,10 +75,25 @@ class RoundRecord:
 
 
 @dataclass
+class Timing:
+    """Wall seconds of one request's phases. prefill_s ends with the first token on the host;
+    setup_s is the decode's set-up (device state, round graphs captured when the request's shape
+    is new: `captured`); decode_s is the decode clock, first round launched to last log read.
+    Triton compiles a kernel at its first call, so the first request's prefill and set-up
+    include compilation."""
+
+    prefill_s: float = 0.0
+    setup_s: float = 0.0
+    decode_s: float = 0.0
+    captured: bool = False
+
+
+@dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens, the prompt excluded
     rounds: list[RoundRecord] = field(default_factory=list)
-    stop_reason: str = "length"  # "stop" | "length"
+    stop_reason: str = "length"  # "stop" | "length" | "cancelled" (on_tokens returned False)
+    timing: Timing = field(default_factory=Timing, compare=False)  # wall clock: not compared
 
     @property
     def mean_accepted_length(self) -> float:
@@ -122,10 +138,12 @@ class ReferenceGenerator:
 
     def generate(
         self, req: GenerationRequest, on_round: Callable[[RoundRecord], None] | None = None,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ) -> GenerationResult:
         """on_tokens (streaming) receives every emitted token once, in order: the first token,
-        then each round's (trimmed) emitted tokens."""
+        then each round's (trimmed) emitted tokens; it returns False to cancel the request
+        (stop_reason "cancelled")."""
+        t0 = time.perf_counter()
         m_ = self.model
         t = m_.cfg.target
         req.validate(t.vocab_size, t.max_position_embeddings)
@@ -139,8 +157,9 @@ class ReferenceGenerator:
         )
         result = GenerationResult(tokens=[])
         done = emit(result, req, [int(first)])
-        if on_tokens is not None:
-            on_tokens([int(first)])
+        t1 = result.timing.prefill_s = time.perf_counter() - t0
+        if on_tokens is not None and on_tokens([int(first)]) is False and not done:
+            result.stop_reason, done = "cancelled", True
         if done:
             return result
         tokens.append(int(first))
@@ -171,9 +190,11 @@ class ReferenceGenerator:
             result.rounds.append(rec)
             if on_round is not None:
                 on_round(rec)
-            if on_tokens is not None and rec.emitted:
-                on_tokens(list(rec.emitted))
+            if on_tokens is not None and rec.emitted and on_tokens(list(rec.emitted)) is False \
+                    and not done:
+                result.stop_reason, done = "cancelled", True
             if done:  # budget/stop trimmed tokens must not stay cached either
+                result.timing.decode_s = time.perf_counter() - t0 - t1
                 last = len(req.prompt_ids) + len(result.tokens) - 1
                 tcache.truncate(min(tcache.next_position, last))
                 dcache.truncate(min(dcache.next_position, last))

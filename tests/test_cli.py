@@ -34,7 +34,10 @@ def test_generate_prints_the_reference_tokens(ckpt, capsys):
     model = ReferenceModel(loaded.cfg, loaded.dequantized(), precision="bf16")
     want = generate(model, GenerationRequest((1, 2, 3), 12, loaded.cfg.sampling, 4), depth=2)
     assert _tokens(out.out) == want.tokens
-    assert "mean accepted length" in out.err and "rounds" in out.err
+    drafts = [r for r in want.rounds if r.drafts]
+    mean = 1 + sum(r.accepted for r in drafts) / len(drafts)  # vLLM's definition
+    assert f"mean acceptance length {mean:.2f} (vLLM's: 1 + accepted / drafts)" in out.err
+    assert f"{len(want.rounds)} rounds" in out.err and "prefill" in out.err
 
 
 def test_generate_sampling_flags_override_defaults(ckpt, capsys):
@@ -75,7 +78,7 @@ def test_convert_quantizes_a_bf16_checkpoint(tmp_path):
         ),
         (
             ["generate", "--checkpoint", "{ckpt}", "--prompt-ids", "1", "--max-new-tokens", "0"],
-            "max_new_tokens",
+            "--max-new-tokens: must be >= 1, got 0",
         ),
         (
             [
@@ -151,7 +154,7 @@ def test_convert_quantizes_a_bf16_checkpoint(tmp_path):
         (
             ["generate", "--checkpoint", "{ckpt}", "--backend", "runtime", "--prompt-ids", "1",
              "--max-new-tokens", "3", "--loop", "device"],
-            "--loop device: the device loop replays the round's CUDA graph; add --graphs",
+            "--loop device: the device loop replays the round's CUDA graph; turn --graphs on",
         ),
         (
             ["generate", "--checkpoint", "{ckpt}", "--backend", "runtime", "--ops", "twins",
@@ -237,21 +240,17 @@ def test_prompt_text_uses_the_checkpoints_tokenizer(tmp_path, capsys):
 def test_streamed_text_is_whole_utf8_characters(capsys):
     """Characters the mini tokenizer splits over byte tokens (ï, 😀, —, ü, ß) stream as whole
     UTF-8 characters, chunk by chunk, never as U+FFFD; the concatenation is the decoded text."""
+    from iquestrt.api import _Text
     from iquestrt.files import checkpoint_tokenizer
-    from iquestrt.run import _Stream
     from qualification import mini_engine
 
     tok = checkpoint_tokenizer(mini_engine.MINI)
     text = "naïve 😀 — Grüße"
     ids = tok.encode(text).ids
     assert len(ids) > len(text.split())  # the characters are split over several tokens
-    stream = _Stream(tok, enabled=True)
-    capsys.readouterr()
-    pieces = []
-    for i in range(0, len(ids), 2):  # rounds of two tokens
-        stream(ids[i : i + 2])
-        pieces.append(capsys.readouterr().out)
-    assert "".join(pieces) == text == tok.decode(ids)
+    stream = _Text(tok)
+    pieces = [stream.push(ids[i : i + 2]) for i in range(0, len(ids), 2)]  # rounds of 2 tokens
+    assert "".join(pieces) == text == tok.decode(ids) == stream.text
     assert all("\ufffd" not in p for p in pieces)
 
 

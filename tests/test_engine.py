@@ -375,7 +375,7 @@ def test_cli_runtime_backend_equals_reference_matched(corr, capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--precision", "bf16"], "--precision: applies to --backend reference only"),
+    (["--precision", "bf16"], "--precision: applies to backend 'reference' only"),
     (["--temperature", "1", "--top-k", "0"], "top_k=0: the runtime's sampler serves"),
     (["--ring-pad", "3"], "ring_pad: must be >= max_width - 1 = 7"),
 ])

@@ -30,13 +30,13 @@ import torch
 
 from corpus.requests import load_requests
 from corpus.tokenizer import load_tokenizer
+from iquestrt import assets
 from reference.checkpoint import load_checkpoint
 from reference.model import ReferenceModel
 from reference.prefetch import collect_traces, split_requests
 
-REPO = Path(__file__).resolve().parents[2]
-MINI = REPO / "models" / "mini"
-REQUESTS = REPO / "data" / "requests" / "v1"
+MINI = assets.default_model()
+REQUESTS = assets.data("requests", "v1")
 MASK64 = (1 << 64) - 1
 
 

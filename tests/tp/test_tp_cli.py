@@ -79,4 +79,4 @@ def test_tp_without_torchrun_says_how(monkeypatch, capsys):
 
 def test_tp_reduce_without_tp_is_refused(capsys):
     assert cli.main([*ARGS, "--tp-reduce", "peer"]) == cli.EXIT_USAGE
-    assert "--tp-reduce peer: applies to --tp N >= 2" in capsys.readouterr().err
+    assert "--tp-reduce peer: applies to --tp >= 2" in capsys.readouterr().err
