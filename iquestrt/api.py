@@ -210,7 +210,16 @@ class LLM:
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None
                  ) -> RequestOutput:
-        req = self.request(prompt, params or SamplingParams())
+        return self.run(self.request(prompt, params or SamplingParams()))
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None
+               ) -> TextStream:
+        """A TextStream of text deltas (token ids when there is no tokenizer); checked before
+        anything runs."""
+        return self.submit(self.request(prompt, params or SamplingParams()))
+
+    def run(self, req: GenerationRequest) -> RequestOutput:
+        """A request from `request()`, to its end."""
         text = _Text(self.tokenizer)
 
         def sink(new: list[int]) -> None:
@@ -220,11 +229,8 @@ class LLM:
             res = self.backend.generate(req, sink)
         return self._output(req, res, text)
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None
-               ) -> TextStream:
-        """A TextStream of text deltas (token ids when there is no tokenizer); checked before
-        anything runs."""
-        req = self.request(prompt, params or SamplingParams())
+    def submit(self, req: GenerationRequest) -> TextStream:
+        """A request from `request()`, streamed."""
         return TextStream(self, req)
 
     def _output(self, req: GenerationRequest, res: GenerationResult, text: _Text

@@ -146,6 +146,17 @@ def _build() -> argparse.ArgumentParser:
 
     add_experiment_arguments(ex)
 
+    sv = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description="Serve one checkpoint over HTTP: POST /v1/completions and "
+        "/v1/chat/completions (stream: true as server-sent events), GET /v1/models, /health, "
+        "/metrics (Prometheus). One request at a time, a bounded queue, 429 when it is full.",
+    )
+    from iquestrt.server.main import add_serve_arguments
+
+    add_serve_arguments(sv)
+
     bn = sub.add_parser("bench", help="benchmarks on a GPU")
     bsub = bn.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     br = bsub.add_parser(
@@ -196,6 +207,12 @@ def _cmd_experiment(a) -> int:
     return run_from_args(a)
 
 
+def _cmd_serve(a) -> int:
+    from iquestrt.server.main import run_from_args
+
+    return run_from_args(a)
+
+
 def _cmd_bench(a) -> int:
     from benchmarks.rank.main import run_from_args
 
@@ -211,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "generate": _cmd_generate,
         "report": _cmd_report,
         "experiment": _cmd_experiment,
+        "serve": _cmd_serve,
     }
     try:
         return handlers[args.command](args)

@@ -1,8 +1,12 @@
 """IQuest-Q1 architecture configuration: the single source of truth for shapes.
 
 The target model and its MTP draft each have a frozen dataclass; `ModelConfig` holds both plus
-the sampling defaults. Field names follow the checkpoint's `config.json` / `mtp/config.json`
-(see ARCHITECTURE.md); names that are not public are our choice and documented here.
+the sampling defaults and the end-of-sequence ids. `save` writes this runtime's field names;
+`load` / `from_json` also read the names of the public SGLang and vLLM IQuest-Q1 config classes,
+mapped by their public meaning (the tables after `ModelConfig`; docs/public_conventions.md has
+the same mapping as one table, with where each public name comes from). One name differs in
+meaning: public `intermediate_size` is the expert width (ours: `moe_intermediate_size`), public
+`dense_intermediate_size` the dense layer-0 width (ours: `intermediate_size`).
 
 Layer pattern: `[F] + [F, S, S, S] * N + [F, F, F]` — "full" and "sliding" in `layer_types`.
 Sliding window counts the current token: a query at position t sees keys t-W+1 … t.
@@ -13,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,11 +218,27 @@ class ModelConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     name: str = "custom"
+    # End-of-sequence ids (`eos_token_id` of config.json and generation_config.json): a request
+    # that names no stop ids of its own stops at any of these.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.target.validate()
         self.draft.validate(self.target)
         self.sampling.validate(self.target.vocab_size)
+        ids = self.eos_token_ids
+        _require(
+            isinstance(ids, tuple) and all(_is_int(i) for i in ids),
+            "config.eos_token_ids",
+            f"must be a tuple of integers, got {ids!r}",
+        )
+        bad = [i for i in ids if not 0 <= i < self.target.vocab_size]
+        _require(
+            not bad,
+            "config.eos_token_ids",
+            f"{bad} outside [0, vocab_size={self.target.vocab_size})",
+        )
+        _require(len(set(ids)) == len(ids), "config.eos_token_ids", f"repeats an id: {ids}")
 
     def per_rank(self, tp: int) -> RankShapes:
         t = self.target
@@ -251,6 +272,8 @@ class ModelConfig:
         d["model_type"] = "iquest_q1"
         d["name"] = self.name
         d["sampling_defaults"] = dataclasses.asdict(self.sampling)
+        if self.eos_token_ids:
+            d["eos_token_id"] = list(self.eos_token_ids)
         return d
 
     def draft_json(self) -> dict[str, Any]:
@@ -260,42 +283,33 @@ class ModelConfig:
 
     @classmethod
     def from_json(
-        cls, target: dict[str, Any], draft: dict[str, Any], source: str = "config"
+        cls,
+        target: dict[str, Any],
+        draft: dict[str, Any],
+        source: str = "config",
+        generation: dict[str, Any] | None = None,
     ) -> ModelConfig:
-        target = dict(target)
-        name = target.pop("name", "custom")
-        sampling = target.pop("sampling_defaults", {})
-        n_layers = target.pop("num_hidden_layers", None)
-        target.pop("model_type", None)
-        draft = dict(draft)
-        draft.pop("model_type", None)
-        tnames = {f.name for f in dataclasses.fields(TargetConfig)}
-        dnames = {f.name for f in dataclasses.fields(DraftConfig)}
-        snames = {f.name for f in dataclasses.fields(SamplingDefaults)}
-        for where, keys, allowed in (
-            (f"{source}: config.json", target, tnames),
-            (f"{source}: mtp/config.json", draft, dnames),
-            (f"{source}: config.json sampling_defaults", sampling, snames),
-        ):
-            extra = sorted(set(keys) - allowed)
-            if extra:
-                raise ConfigError(f"{where}: unknown fields {extra}")
-        for where, keys, kind in (
-            (f"{source}: config.json", target, TargetConfig),
-            (f"{source}: mtp/config.json", draft, DraftConfig),
-            (f"{source}: config.json sampling_defaults", sampling, SamplingDefaults),
-        ):
-            _check_types(where, keys, kind)
-        if "layer_types" in target:
-            target["layer_types"] = tuple(target["layer_types"])
-        t = TargetConfig(**target)
-        if n_layers is not None and n_layers != t.num_hidden_layers:
-            raise ConfigError(
-                f"{source}: config.json num_hidden_layers={n_layers} disagrees with "
-                f"len(layer_types)={t.num_hidden_layers}"
-            )
+        """The config of config.json (`target`), mtp/config.json (`draft`) and, when the
+        checkpoint has one, generation_config.json (`generation`). Each file may use this
+        runtime's field names, the public integrations' names (the tables below), or both;
+        a name that is neither is an error naming the file and the field."""
+        t_kw, eos, name, own_sampling = _read_target(target, f"{source}: config.json")
+        t = TargetConfig(**t_kw)
+        d = DraftConfig(**_read_draft(draft, f"{source}: mtp/config.json", t))
+        sampling = _Fields(source, SamplingDefaults)
+        for key, value in own_sampling.items():
+            sampling.put(key, f"config.json sampling_defaults.{key}", value)
+        if generation is not None:
+            g_eos, g_sampling = _read_generation(generation, f"{source}: generation_config.json")
+            eos += tuple(i for i in g_eos if i not in eos)
+            for key, (label, value) in g_sampling.items():
+                sampling.put(key, f"generation_config.json {label}", value)
         return cls(
-            target=t, draft=DraftConfig(**draft), sampling=SamplingDefaults(**sampling), name=name
+            target=t,
+            draft=d,
+            sampling=SamplingDefaults(**sampling.kwargs()),
+            name=name,
+            eos_token_ids=eos,
         )
 
     def save(self, directory: Path) -> None:
@@ -308,37 +322,501 @@ class ModelConfig:
 
     @classmethod
     def load(cls, directory: Path) -> ModelConfig:
+        """config.json and mtp/config.json (both required) and generation_config.json (read
+        when present) of a checkpoint directory."""
         directory = Path(directory)
         files = [directory / "config.json", directory / "mtp" / "config.json"]
         for f in files:
             if not f.is_file():
                 raise ConfigError(f"{f}: missing")
-        try:
-            t, d = (json.loads(f.read_text()) for f in files)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{directory}: invalid JSON in a config file: {e}") from None
-        return cls.from_json(t, d, source=str(directory))
+        generation = directory / GENERATION_CONFIG
+        t, d = (_read_json_object(f) for f in files)
+        g = _read_json_object(generation) if generation.is_file() else None
+        return cls.from_json(t, d, source=str(directory), generation=g)
 
 
-def _check_types(where: str, values: dict[str, Any], kind: type) -> None:
-    """JSON values must have the dataclass default's type (ints accepted for floats)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(kind)}
-    for name, value in values.items():
-        want = defaults[name]
-        if isinstance(want, bool):
-            ok = isinstance(value, bool)
-        elif isinstance(want, int):
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif isinstance(want, float):
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif isinstance(want, tuple):
-            ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-        else:
-            ok = True
-        if not ok:
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value
+
+
+# --- public config names ---------------------------------------------------------------------
+#
+# The public SGLang and vLLM integrations of IQuest-Q1 read config.json and mtp/config.json
+# through their own config classes (docs/public_conventions.md says where). Every field those
+# classes define is accepted here and falls in exactly one group:
+#   * this runtime's own name with the same meaning (the dataclass fields above);
+#   * TARGET_RENAMED / DRAFT_RENAMED: a public name mapped to our field by its public meaning;
+#   * the layer-pattern, RoPE, softmax-scale, eos and target-copy fields, read by the functions
+#     below (TARGET_READ / DRAFT_READ);
+#   * TARGET_FIXED / DRAFT_FIXED: settings this runtime implements in one way only; any other
+#     value is an error;
+#   * TARGET_UNUSED / DRAFT_UNUSED / GENERATION_UNUSED: known fields this runtime does not use,
+#     each with the reason.
+# A key that two names give (ours and a public one, or two public spellings) must agree.
+
+PUBLIC_LAYER_TYPES = {"full_attention": FULL, "sliding_attention": SLIDING}
+
+# public name -> our TargetConfig field
+TARGET_RENAMED = {
+    "dense_intermediate_size": "intermediate_size",  # the dense SwiGLU width of layer 0
+    # The expert width. A file that also carries our `moe_intermediate_size` is written in our
+    # names, and there `intermediate_size` is our field: the dense width.
+    "intermediate_size": "moe_intermediate_size",
+    "enable_sink_attention": "attention_sink",
+}
+# public name -> our DraftConfig field
+DRAFT_RENAMED = {"intermediate_size": "moe_intermediate_size"}  # the draft's expert width
+
+# Read by _read_target / _read_draft (how: docs/public_conventions.md).
+TARGET_READ = (
+    "layer_types",  # also spelled full_attention / sliding_attention
+    "first_layers_types",  # with the next three: first + block * num_blocks + last
+    "hybrid_layers_types_block",
+    "num_hybrid_layers_block",
+    "last_layers_types",
+    "hybrid_layer_pattern",  # 1 = sliding, 0 = full, per layer
+    "is_hybrid_swa",  # true iff a sliding layer exists
+    "num_hidden_layers",  # len(layer_types)
+    "rope_parameters",  # rope_type "default"; rope_theta; partial_rotary_factor = rotary/head
+    "rope_scaling",  # none, or rope_type "default"
+    "softmax_scale",  # none or 1/sqrt(head_dim)
+    "eos_token_id",  # int or list -> ModelConfig.eos_token_ids
+)
+DRAFT_READ = (
+    "target_config",  # copy of config.json: hidden_size, vocab_size, num_hidden_layers checked
+    "num_target_layers",  # = the target's num_hidden_layers
+    "rope_parameters",
+    "rope_scaling",
+    "softmax_scale",
+    # The draft's attention and embedding shapes are the target's (ARCHITECTURE.md); the public
+    # draft config carries copies, each checked against config.json.
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rotary_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "enable_sink_attention",
+)
+
+_COMMON_FIXED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "hidden_act": (("silu",), "the FFNs are SiLU-gated"),
+    "moe_router_dtype": (("fp32",), "routers run in FP32"),
+    "enable_lm_head_fp32": ((True,), "logits are computed in FP32"),
+    "attention_bias": ((False,), "no projection has a bias"),
+    "tie_word_embeddings": ((False,), "lm_head is a separate matrix"),
+    "logit_scale": ((1.0,), "logits are not rescaled"),
+    "no_rope_layers": (([],), "every layer applies RoPE"),
+    "use_hybrid_layers": ((True,), "layer types follow the hybrid pattern"),
+    "use_sliding_window": ((True,), "sliding layers have a window"),
+    "use_over_encoding": ((False,), "embeddings are one table lookup"),
+    "shared_kv_num_layers": ((0,), "every layer has its own KV"),
+    "first_layer_attn_out_scale": ((1.0,), "layer 0 (and the draft) add attention unscaled"),
+    "first_layer_ffn_out_scale": ((1.0,), "layer 0 (and the draft) add the FFN unscaled"),
+}
+TARGET_FIXED = {
+    **_COMMON_FIXED,
+    "model_type": (("iquest_q1",), "the target model"),
+    "mlp_only_layers": (([0],), "layer 0 is the only dense FFN"),
+}
+DRAFT_FIXED = {
+    **_COMMON_FIXED,
+    "model_type": (("iquest_q1_mtp", "iquest_q1_mtp_recursive"), "the recursive MTP draft"),
+    "mlp_only_layers": (([],), "the draft's FFN is an MoE"),
+    "layer_types": ((["sliding_attention"],), "the draft layer is windowed"),
+    "first_layers_types": ((["sliding_attention"],), "the draft layer is windowed"),
+    "hybrid_layers_types_block": (([],), "one draft layer"),
+    "num_hybrid_layers_block": ((0,), "one draft layer"),
+    "last_layers_types": (([],), "one draft layer"),
+    "hybrid_layer_pattern": (([1],), "the draft layer is windowed"),
+    "is_hybrid_swa": ((True,), "the draft layer is windowed"),
+}
+
+_COMMON_UNUSED = {
+    "architectures": "loader class names; this runtime has one target and one draft class",
+    "dtype": "the checkpoint index and the tensors carry their dtypes",
+    "torch_dtype": "the checkpoint index and the tensors carry their dtypes",
+    "transformers_version": "provenance of the file",
+    "_name_or_path": "provenance of the file",
+    "auto_map": "remote-code class paths; not used",
+    "use_cache": "a Hugging Face generate() switch; this runtime always keeps KV caches",
+    "attention_dropout": "training only",
+    "pad_token_id": "one request at a time: nothing is padded",
+    "bos_token_id": "prompts arrive as token ids; the tokenizer adds BOS",
+    "num_mtp_layers": "trained MTP heads stored in the target checkpoint; the served draft is mtp/",
+    "quantization_config": "the index metadata.format and the _scale_inv tensors give the format",
+    "shared_kv_source_begin": "used only when shared_kv_num_layers > 0",
+    "shared_kv_target_begin": "used only when shared_kv_num_layers > 0",
+}
+TARGET_UNUSED = dict(_COMMON_UNUSED)
+DRAFT_UNUSED = {
+    **_COMMON_UNUSED,
+    "eos_token_id": "stops come from config.json and generation_config.json",
+    "dense_intermediate_size": "copied from the target; the draft has no dense FFN",
+    "attn_out_scale": "copied from the target; the draft block uses the layer-0 scales",
+    "ffn_out_scale": "copied from the target; the draft block uses the layer-0 scales",
+    "rope_theta": "copied from the target; the windowed draft layer uses swa_rope_theta",
+}
+GENERATION_UNUSED = {
+    "bos_token_id": "prompts arrive as token ids; the tokenizer adds BOS",
+    "pad_token_id": "one request at a time: nothing is padded",
+    "transformers_version": "provenance of the file",
+    "_from_model_config": "provenance of the file",
+}
+# generation_config.json name -> our SamplingDefaults field; `do_sample: false` means greedy
+GENERATION_SAMPLING = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p"}
+
+_PATTERN_KEYS = (
+    "first_layers_types",
+    "hybrid_layers_types_block",
+    "num_hybrid_layers_block",
+    "last_layers_types",
+)
+_PUBLIC_PATTERN_DEFAULTS = {  # the public config class's defaults: the 88-layer pattern
+    "first_layers_types": ["full_attention"],
+    "hybrid_layers_types_block": ["full_attention"] + ["sliding_attention"] * 3,
+    "num_hybrid_layers_block": 21,
+    "last_layers_types": ["full_attention"] * 3,
+}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _typed(where: str, key: str, value: Any, want: Any) -> Any:
+    """`value` with the type of `want` (a dataclass default; ints accepted for floats)."""
+    if isinstance(want, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(want, int):
+        ok = _is_int(value)
+    elif isinstance(want, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    elif isinstance(want, tuple):
+        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    else:
+        ok = True
+    if not ok:
+        raise ConfigError(f"{where}: field {key!r} must be {type(want).__name__}, got {value!r}")
+    return value
+
+
+class _Fields:
+    """Values of one dataclass's fields gathered from the keys of a file; two keys that set one
+    field must agree (the error names both)."""
+
+    def __init__(self, where: str, kind: type):
+        self.where = where
+        self.defaults = {f.name: f.default for f in dataclasses.fields(kind)}
+        self.got: dict[str, tuple[str, Any]] = {}
+
+    def put(self, name: str, key: str, value: Any) -> None:
+        value = _typed(self.where, key, value, self.defaults[name])
+        if name in self.got:
+            key0, value0 = self.got[name]
+            if value0 != value:
+                raise ConfigError(
+                    f"{self.where}: {key0!r}={value0!r} and {key!r}={value!r} disagree "
+                    f"(both give {name})"
+                )
+            return
+        self.got[name] = (key, value)
+
+    def value(self, name: str) -> Any:
+        return self.got[name][1] if name in self.got else self.defaults[name]
+
+    def kwargs(self) -> dict[str, Any]:
+        return {name: value for name, (_, value) in self.got.items()}
+
+
+def _same(value: Any, want: Any) -> bool:
+    """JSON equality that keeps true apart from 1 (and allows 1 for 1.0)."""
+    if isinstance(want, bool) or isinstance(value, bool):
+        return value is want
+    if isinstance(want, float):
+        return isinstance(value, (int, float)) and value == want
+    if isinstance(want, list):
+        return isinstance(value, list) and len(value) == len(want) and all(
+            _same(v, w) for v, w in zip(value, want, strict=True)
+        )
+    return type(value) is type(want) and value == want
+
+
+def _check_fixed(where: str, d: dict[str, Any], fixed: dict[str, tuple[tuple[Any, ...], str]]):
+    for key, (allowed, meaning) in fixed.items():
+        if key in d and not any(_same(d[key], a) for a in allowed):
+            want = " or ".join(json.dumps(a) for a in allowed)
             raise ConfigError(
-                f"{where}: field {name!r} must be {type(want).__name__}, got {value!r}"
+                f"{where}: field {key!r}={d[key]!r} is not supported: this runtime implements "
+                f"only {want} ({meaning})"
             )
+
+
+def _check_known(where: str, d: dict[str, Any], *known: Any) -> None:
+    allowed = set().union(*(set(k) for k in known))
+    extra = sorted(set(d) - allowed)
+    if extra:
+        raise ConfigError(
+            f"{where}: unknown fields {extra} (neither this runtime's names nor the public "
+            "IQuest-Q1 config names: docs/public_conventions.md)"
+        )
+
+
+def _layer_list(where: str, key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{where}: field {key!r} must be a list of layer types, got {value!r}")
+    spell = {FULL: FULL, SLIDING: SLIDING, **PUBLIC_LAYER_TYPES}
+    bad = sorted({v for v in value if v not in spell})
+    if bad:
+        raise ConfigError(
+            f"{where}: field {key!r} holds unknown layer types {bad}; expected {sorted(spell)}"
+        )
+    return tuple(spell[v] for v in value)
+
+
+def _read_layers(where: str, d: dict[str, Any], fields_: _Fields) -> None:
+    """layer_types from `layer_types`, the public block pattern and `hybrid_layer_pattern`;
+    then num_hidden_layers and is_hybrid_swa are checked against it."""
+    if "layer_types" in d:
+        layers = _layer_list(where, "layer_types", d["layer_types"])
+        fields_.put("layer_types", "layer_types", layers)
+    if any(k in d for k in _PATTERN_KEYS):
+        parts = {k: d.get(k, _PUBLIC_PATTERN_DEFAULTS[k]) for k in _PATTERN_KEYS}
+        n = parts["num_hybrid_layers_block"]
+        if not _is_int(n) or n < 0:
+            raise ConfigError(
+                f"{where}: field 'num_hybrid_layers_block' must be an integer >= 0, got {n!r}"
+            )
+        pattern = (
+            _layer_list(where, "first_layers_types", parts["first_layers_types"])
+            + _layer_list(where, "hybrid_layers_types_block", parts["hybrid_layers_types_block"])
+            * n
+            + _layer_list(where, "last_layers_types", parts["last_layers_types"])
+        )
+        fields_.put("layer_types", "/".join(k for k in _PATTERN_KEYS if k in d), pattern)
+    if "hybrid_layer_pattern" in d:
+        p = d["hybrid_layer_pattern"]
+        if not isinstance(p, list) or not all(_is_int(v) and v in (0, 1) for v in p):
+            raise ConfigError(
+                f"{where}: field 'hybrid_layer_pattern' must be a list of 0 (full) and 1 "
+                f"(sliding), got {p!r}"
+            )
+        fields_.put("layer_types", "hybrid_layer_pattern", tuple(SLIDING if v else FULL for v in p))
+    layers = fields_.value("layer_types")
+    n_layers = d.get("num_hidden_layers")
+    if n_layers is not None and not _is_int(n_layers):
+        raise ConfigError(f"{where}: field 'num_hidden_layers' must be int, got {n_layers!r}")
+    if n_layers is not None and n_layers != len(layers):
+        raise ConfigError(
+            f"{where} num_hidden_layers={n_layers} disagrees with len(layer_types)={len(layers)}"
+        )
+    if "is_hybrid_swa" in d and d["is_hybrid_swa"] is not (SLIDING in layers):
+        raise ConfigError(
+            f"{where}: field 'is_hybrid_swa'={d['is_hybrid_swa']!r} disagrees with layer_types "
+            f"(sliding layers: {SLIDING in layers})"
+        )
+
+
+def _read_rope(
+    where: str,
+    d: dict[str, Any],
+    rope_theta: Callable[[str, Any], None] | None,
+    rotary_dim: Callable[[str, Any], None],
+    head_dim: int,
+) -> None:
+    """`rope_scaling` must be off and `rope_parameters` unscaled; the RoPE base and the rotated
+    dims it restates go to `rope_theta(key, value)` (None: the base is not read) and
+    `rotary_dim(key, partial_rotary_factor * head_dim)`."""
+    scaling = d.get("rope_scaling")
+    if scaling is not None and not (
+        isinstance(scaling, dict)
+        and set(scaling) <= {"type", "rope_type"}
+        and all(v == "default" for v in scaling.values())
+    ):
+        raise ConfigError(
+            f"{where}: field 'rope_scaling'={scaling!r} is not supported: RoPE is unscaled"
+        )
+    params = d.get("rope_parameters")
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: field 'rope_parameters' must be an object, got {params!r}")
+    extra = sorted(set(params) - {"type", "rope_type", "rope_theta", "partial_rotary_factor"})
+    if extra:
+        raise ConfigError(
+            f"{where}: rope_parameters holds {extra}: RoPE scaling is not supported"
+        )
+    for key in ("type", "rope_type"):
+        if key in params and params[key] != "default":
+            raise ConfigError(
+                f"{where}: field 'rope_parameters.{key}'={params[key]!r} is not supported: "
+                "RoPE is unscaled ('default')"
+            )
+    if "rope_theta" in params and rope_theta is not None:
+        rope_theta("rope_parameters.rope_theta", params["rope_theta"])
+    if "partial_rotary_factor" in params:
+        f = params["partial_rotary_factor"]
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or f <= 0:
+            raise ConfigError(
+                f"{where}: field 'rope_parameters.partial_rotary_factor' must be a number > 0, "
+                f"got {f!r}"
+            )
+        dims = f * head_dim
+        if abs(dims - round(dims)) > 1e-9:
+            raise ConfigError(
+                f"{where}: rope_parameters.partial_rotary_factor={f} times head_dim={head_dim} "
+                "is not a whole number of dims"
+            )
+        rotary_dim("rope_parameters.partial_rotary_factor*head_dim", round(dims))
+
+
+def _check_softmax_scale(where: str, d: dict[str, Any], head_dim: int) -> None:
+    s = d.get("softmax_scale")
+    if s is not None and not (
+        isinstance(s, (int, float))
+        and not isinstance(s, bool)
+        and math.isclose(s, head_dim**-0.5, rel_tol=1e-9)
+    ):
+        raise ConfigError(
+            f"{where}: field 'softmax_scale'={s!r} is not supported: attention scales by "
+            f"1/sqrt(head_dim) = {head_dim**-0.5}"
+        )
+
+
+def _eos_ids(where: str, key: str, value: Any) -> tuple[int, ...]:
+    ids = [] if value is None else [value] if _is_int(value) else value
+    if not isinstance(ids, list) or not all(_is_int(i) for i in ids):
+        raise ConfigError(
+            f"{where}: field {key!r} must be an integer or a list of integers, got {value!r}"
+        )
+    return tuple(dict.fromkeys(ids))
+
+
+def _read_target(
+    raw: dict[str, Any], where: str
+) -> tuple[dict[str, Any], tuple[int, ...], str, dict[str, Any]]:
+    """(TargetConfig kwargs, eos ids, name, our sampling_defaults) of config.json."""
+    d = dict(raw)
+    ours = {f.name for f in dataclasses.fields(TargetConfig)}
+    public = (TARGET_RENAMED, TARGET_READ, TARGET_FIXED, TARGET_UNUSED)
+    _check_known(where, d, ours, ("name", "sampling_defaults"), *public)
+    _check_fixed(where, d, TARGET_FIXED)
+    name = d.get("name", "custom")
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: field 'name' must be str, got {name!r}")
+    sampling = d.get("sampling_defaults", {})
+    if not isinstance(sampling, dict):
+        raise ConfigError(f"{where}: field 'sampling_defaults' must be an object")
+    s_names = [f.name for f in dataclasses.fields(SamplingDefaults)]
+    _check_known(f"{where} sampling_defaults", sampling, s_names)
+    got = _Fields(where, TargetConfig)
+    ours_ffn = "moe_intermediate_size" in d
+    for key, value in d.items():
+        if key == "layer_types":
+            continue
+        if key == "intermediate_size" and ours_ffn:
+            got.put(key, f"{key} (the dense width: the file names moe_intermediate_size)", value)
+        elif key in ours and key != "intermediate_size":
+            got.put(key, key, value)
+        elif key in TARGET_RENAMED:
+            got.put(TARGET_RENAMED[key], key, value)
+    _read_layers(where, d, got)
+    head_dim = got.value("head_dim")
+    _read_rope(
+        where,
+        d,
+        lambda k, v: got.put("rope_theta", k, v),
+        lambda k, v: got.put("rotary_dim", k, v),
+        head_dim,
+    )
+    _check_softmax_scale(where, d, head_dim)
+    eos = _eos_ids(where, "eos_token_id", d.get("eos_token_id"))
+    return got.kwargs(), eos, name, sampling
+
+
+def _read_draft(raw: dict[str, Any], where: str, target: TargetConfig) -> dict[str, Any]:
+    """DraftConfig kwargs of mtp/config.json; the public copies of target fields must match."""
+    d = dict(raw)
+    ours = {f.name for f in dataclasses.fields(DraftConfig)}
+    _check_known(where, d, ours, DRAFT_RENAMED, DRAFT_READ, DRAFT_FIXED, DRAFT_UNUSED)
+    _check_fixed(where, d, DRAFT_FIXED)
+    got = _Fields(where, DraftConfig)
+    for key, value in d.items():
+        if key in ours:
+            got.put(key, key, value)
+        elif key in DRAFT_RENAMED:
+            got.put(DRAFT_RENAMED[key], key, value)
+    copies = {  # public key -> (the target's value, its config.json name)
+        "hidden_size": (target.hidden_size, "hidden_size"),
+        "vocab_size": (target.vocab_size, "vocab_size"),
+        "num_attention_heads": (target.num_attention_heads, "num_attention_heads"),
+        "num_key_value_heads": (target.num_key_value_heads, "num_key_value_heads"),
+        "head_dim": (target.head_dim, "head_dim"),
+        "rotary_dim": (target.rotary_dim, "rotary_dim"),
+        "rms_norm_eps": (target.rms_norm_eps, "rms_norm_eps"),
+        "max_position_embeddings": (target.max_position_embeddings, "max_position_embeddings"),
+        "enable_sink_attention": (target.attention_sink, "attention_sink"),
+        "num_target_layers": (target.num_hidden_layers, "num_hidden_layers"),
+    }
+
+    def same_as_target(key: str, value: Any, want: Any, what: str) -> None:
+        if not _same(value, want):
+            raise ConfigError(
+                f"{where}: field {key!r}={value!r} disagrees with config.json ({what}={want!r})"
+            )
+
+    for key, (want, what) in copies.items():
+        if key in d:
+            same_as_target(key, d[key], want, what)
+    tc = d.get("target_config")
+    if tc is not None:
+        if not isinstance(tc, dict):
+            raise ConfigError(f"{where}: field 'target_config' must be an object, got {tc!r}")
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+            if key in tc:
+                want = target.num_hidden_layers if key == "num_hidden_layers" else copies[key][0]
+                same_as_target(f"target_config.{key}", tc[key], want, key)
+    _read_rope(
+        where,
+        d,
+        None,
+        lambda k, v: same_as_target(k, v, target.rotary_dim, "rotary_dim"),
+        target.head_dim,
+    )
+    _check_softmax_scale(where, d, target.head_dim)
+    return got.kwargs()
+
+
+def _read_generation(
+    raw: dict[str, Any], where: str
+) -> tuple[tuple[int, ...], dict[str, tuple[str, Any]]]:
+    """(eos ids, our sampling field -> (public key, value)) of generation_config.json."""
+    d = dict(raw)
+    _check_known(where, d, ("eos_token_id", "do_sample"), GENERATION_SAMPLING, GENERATION_UNUSED)
+    sampling = {GENERATION_SAMPLING[k]: (k, d[k]) for k in GENERATION_SAMPLING if k in d}
+    do_sample = d.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ConfigError(f"{where}: field 'do_sample' must be bool, got {do_sample!r}")
+    if do_sample is False:
+        if "temperature" in d and d["temperature"] != 0:
+            raise ConfigError(
+                f"{where}: 'do_sample'=false (greedy) and 'temperature'={d['temperature']!r} "
+                "disagree"
+            )
+        sampling["temperature"] = ("do_sample", 0.0)
+    return _eos_ids(where, "eos_token_id", d.get("eos_token_id")), sampling
 
 
 def preset(name: str) -> ModelConfig:

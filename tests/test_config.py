@@ -163,3 +163,26 @@ def test_validation_error_names_its_field(part, field, value):
     bad = dataclasses.replace(getattr(cfg, part), **{field: value})
     with pytest.raises(ConfigError, match=rf"^{prefix}\.{field}: "):
         dataclasses.replace(cfg, **{part: bad})
+
+
+@pytest.mark.parametrize("ids, message", [
+    ((1, 1), r"repeats an id: \(1, 1\)"),
+    ((0, 512), r"\[512\] outside \[0, vocab_size=512\)"),
+    ((-1,), r"\[-1\] outside"),
+    ([1], r"must be a tuple of integers"),
+    ((True,), r"must be a tuple of integers"),
+    (("2",), r"must be a tuple of integers"),
+])
+def test_eos_token_ids_validation_names_the_field(ids, message):
+    with pytest.raises(ConfigError, match=rf"^config\.eos_token_ids: {message}"):
+        dataclasses.replace(preset("tiny"), eos_token_ids=ids)
+
+
+def test_eos_token_ids_default_and_round_trip(tmp_path):
+    assert preset("iquest-q1").eos_token_ids == ()
+    assert "eos_token_id" not in preset("tiny").target_json()  # no stop: the key is not written
+    cfg = dataclasses.replace(preset("tiny"), eos_token_ids=(3, 1))
+    cfg.save(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["eos_token_id"] == [3, 1]
+    assert ModelConfig.load(tmp_path).eos_token_ids == (3, 1)
+    assert ModelConfig.load(tmp_path) == cfg

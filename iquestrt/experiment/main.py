@@ -73,13 +73,17 @@ def _take(prompts, n: int | None):
 
 def run_and_record(plan, engines, *, out: Path, checkpoint: Path, command: str,
                    resamples: int, boot_seed: int, level: float = 0.95, force: bool = False,
-                   log=None) -> dict:
-    """Run the experiment, summarize it, write DIR/record.{json,md}; → the record."""
+                   log=None, limits=None) -> dict:
+    """Run the experiment, summarize it, write DIR/record.{json,md}; → the record. `limits`
+    (iquestrt/experiment/trust.py, default TrustLimits()) decide the record's warnings."""
     from iquestrt.experiment.arms import describe
-    from iquestrt.experiment.record import environment, revision, write_record
+    from iquestrt.experiment.record import environment, write_record
     from iquestrt.experiment.runner import Experiment
     from iquestrt.experiment.signature import compare
     from iquestrt.experiment.summary import markdown, summarize
+    from iquestrt.experiment.trust import MachineLoad, TrustLimits, own_threads, sample_load
+    from iquestrt.experiment.trust import warnings as trust_warnings
+    from iquestrt.report.provenance import revision
 
     lines: list[str] = []
 
@@ -89,19 +93,25 @@ def run_and_record(plan, engines, *, out: Path, checkpoint: Path, command: str,
             log(msg)
 
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    env = environment(plan.rcfgs[0].device)
+    limits = limits or TrustLimits()
+    device = plan.rcfgs[0].device
+    env = environment(device)
+    load_start = sample_load()
     outcome = Experiment(plan, engines, say).run()
-    if hasattr(os, "getloadavg"):
-        env["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    cpus = os.cpu_count() or 1
+    load = MachineLoad(cpus, own_threads(device, env["torch_threads"], cpus), load_start,
+                       sample_load())
     labels = [a.label for a in plan.arms]
     summary = summarize(outcome.runs, labels, resamples=resamples, seed=boot_seed, level=level)
-    device = plan.rcfgs[0].torch_device.type
     sig = outcome.signatures
-    checks = {f"{b} vs {labels[0]}": compare(device, sig[labels[0]], sig[b]) for b in labels[1:]}
+    checks = {f"{b} vs {labels[0]}": compare(plan.rcfgs[0].torch_device.type, sig[labels[0]],
+                                             sig[b]) for b in labels[1:]}
     record = {
-        "format": "iquestrt-experiment", "version": 1, "name": Path(out).name,
+        "format": "iquestrt-experiment", "version": 2, "name": Path(out).name,
         "created_utc": started, "revision": revision(), "environment": env,
         "command": command,
+        "warnings": trust_warnings(load, len(plan.pairs()), device, limits),
+        "load": load.as_dict(limits),
         "plan": {"checkpoint": str(checkpoint),
                  "prompts": [{"id": p.id, "tokens": len(p.ids)} for p in plan.prompts],
                  "seeds": list(plan.seeds), "max_new_tokens": plan.max_new_tokens,
@@ -119,6 +129,8 @@ def run_and_record(plan, engines, *, out: Path, checkpoint: Path, command: str,
     }
     write_record(Path(out), record, markdown(record), force)
     if log is not None:
+        for w in record["warnings"]:
+            log(f"warning: {w}")
         log(f"wrote {out}/record.json and record.md")
     return record
 

@@ -1,4 +1,5 @@
-"""An experiment's record: source revision, environment, command, plan, checks, summary and raw
+"""An experiment's record: source revision (iquestrt/report/provenance.py), environment,
+command, warnings and machine load (iquestrt/experiment/trust.py), plan, checks, summary and raw
 runs, written as DIR/record.json and DIR/record.md.
 
 Atomic: the files are written to a sibling temporary directory that replaces DIR in one rename;
@@ -12,33 +13,14 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from iquestrt.files import swap_in
+from iquestrt.report.provenance import revision  # noqa: F401 (benchmarks/rank imports it here)
 
-REPO = Path(__file__).resolve().parents[2]
 JSON_NAME, MD_NAME = "record.json", "record.md"
-
-
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                             timeout=20, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout
-
-
-def revision() -> dict:
-    """HEAD and `git status --porcelain` of the checkout: changed tracked files (" M path") and
-    untracked ones ("?? path"); the measured code is HEAD plus those."""
-    head = _git("rev-parse", "HEAD")
-    status = _git("status", "--porcelain") or ""
-    return {"commit": head.strip() if head else "unknown (not a git checkout)",
-            "dirty": sorted(line.strip() for line in status.splitlines() if line.strip())}
 
 
 def environment(device: str) -> dict:
@@ -47,8 +29,6 @@ def environment(device: str) -> dict:
     env = {"python": platform.python_version(), "torch": torch.__version__,
            "triton": triton.__version__, "platform": platform.platform(),
            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "device": device}
-    if hasattr(os, "getloadavg"):
-        env["load_avg_1m_at_start"] = round(os.getloadavg()[0], 2)  # other work on the machine
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(torch.device(device))
         env["cuda"] = torch.version.cuda

@@ -73,6 +73,18 @@ def _runtime(r: dict) -> str:
             f"ring_pad {r['ring_pad']}, max_positions {r['max_positions']}")
 
 
+def _worktree(rev: dict) -> str:
+    state = rev.get("worktree", "dirty" if rev["dirty"] else "clean")
+    if state == "dirty":
+        return (f" plus uncommitted changes ({len(rev['dirty'])} entries of git status, listed "
+                "in record.json)")
+    return " (clean checkout)" if state == "clean" else " (not run from a git checkout)"
+
+
+def _load(v: float | None) -> str:
+    return "not measured" if v is None else f"{v:.2f}"
+
+
 def _straddles(d: dict) -> str:
     return "contains 1" if d["lo"] <= 1.0 <= d["hi"] else "EXCLUDES 1"
 
@@ -81,10 +93,13 @@ def markdown(rec: dict) -> str:
     plan, s = rec["plan"], rec["summary"]
     rev, env = rec["revision"], rec["environment"]
     level = s["comparisons"][0]["tpot_ratio"]["level"]
-    lines = [f"# Experiment {rec['name']}", "",
-             f"- revision: `{rev['commit']}`" + (
-                 f" plus uncommitted changes ({len(rev['dirty'])} entries of git status, "
-                 f"listed in record.json)" if rev["dirty"] else " (clean checkout)"),
+    lines = [f"# Experiment {rec['name']}", "", "## Warnings", ""]
+    lines += [f"- **{w}**" for w in rec["warnings"]] or ["- none"]
+    ld = rec["load"]
+    lines += ["", f"Machine load (1-minute average): {_load(ld['load_1m_start'])} at start, "
+              f"{_load(ld['load_1m_end'])} at end, on {ld['cpus']} CPUs (the experiment's own "
+              f"{ld['own_threads']} thread(s) are part of the end value).", "", "## Setup", "",
+             f"- revision: `{rev['commit']}`" + _worktree(rev),
              f"- command: `{rec['command']}`",
              f"- environment: {', '.join(f'{k} {v}' for k, v in env.items())}",
              f"- checkpoint `{plan['checkpoint']}`, {len(plan['prompts'])} prompts x seeds "

@@ -1,5 +1,7 @@
 """`iquestrt report acceptance`: decode a prompt set under one or more depth policies and seeds,
 write DIR/acceptance.nc (iquestrt/report/dataset.py) and DIR/summary.{md,html} + DIR/plots/.
+The dataset's global attributes name the code revision, the checkpoint's content hash
+(iquestrt/report/provenance.py) and a command line that repeats the run.
 
 Atomic output: everything is written into DIR.tmp-<pid>, which replaces DIR only after the last
 file is complete; an exception or KeyboardInterrupt removes it. With --force an existing DIR is
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
 import shutil
 import sys
 import time
@@ -21,9 +24,10 @@ from pathlib import Path
 import torch
 
 from iquestrt.files import checkpoint_tokenizer, swap_in
-from iquestrt.report.dataset import MAX_ROWS, build_dataset
+from iquestrt.report.dataset import MAX_ROWS, build_dataset, write_netcdf
 from iquestrt.report.decode import BackendSpec, Decoded, Decoders, policy_label
 from iquestrt.report.prompts import Prompt, load_prompts
+from iquestrt.report.provenance import CHECKPOINT_SHA256_SHELL, checkpoint_hash, revision
 from iquestrt.report.summary import write_summary
 from reference.checkpoint import load_checkpoint
 from reference.depth import policy_from_spec
@@ -107,6 +111,46 @@ def resolve_policies(spec: AcceptanceSpec, num_draft_slots: int) -> dict:
     return out
 
 
+def spec_command(spec: AcceptanceSpec) -> str:
+    """A command line that runs `spec` again (every setting spelled out)."""
+    w = ["iquestrt", "report", "acceptance", "--checkpoint", str(spec.checkpoint),
+         "--prompts", str(spec.prompts), "--out", str(spec.out),
+         "--seeds", *map(str, spec.seeds), "--depth", *map(str, spec.depths)]
+    if spec.per_kind is not None:
+        w += ["--per-kind", str(spec.per_kind)]
+    w += ["--max-prompt-tokens", str(spec.max_prompt_tokens),
+          "--max-new-tokens", str(spec.max_new_tokens), "--backend", spec.backend,
+          "--ops", spec.ops, "--graphs", spec.graphs]
+    if spec.precision is not None:
+        w += ["--precision", spec.precision]
+    return shlex.join(w + (["--force"] if spec.force else []))
+
+
+def spec_from_args(a) -> AcceptanceSpec:
+    """The spec of parsed `iquestrt report acceptance` arguments (iquestrt/report/args.py)."""
+    return AcceptanceSpec(
+        checkpoint=a.checkpoint, prompts=a.prompts, out=a.out, seeds=tuple(a.seeds),
+        depths=tuple(a.depth), per_kind=a.per_kind, max_prompt_tokens=a.max_prompt_tokens,
+        max_new_tokens=a.max_new_tokens, backend=a.backend, ops=a.ops, precision=a.precision,
+        graphs=a.graphs, force=a.force)
+
+
+def provenance_attrs(spec: AcceptanceSpec) -> dict:
+    """Global attributes saying which code, checkpoint and command produced the report."""
+    rev, ck = revision(), checkpoint_hash(spec.checkpoint)
+    return {
+        "code_revision": rev["commit"], "code_worktree": rev["worktree"],
+        "code_worktree_changes": "; ".join(rev["dirty"]),
+        "checkpoint_sha256": ck.sha256,
+        "checkpoint_sha256_covers": (
+            "sha256 of checkpoint_sha256_manifest: one sha256sum line per *.safetensors and "
+            "*.json file under the checkpoint directory, sorted by path; in that directory, "
+            f"{CHECKPOINT_SHA256_SHELL} prints the same value"),
+        "checkpoint_sha256_manifest": ck.manifest,
+        "command": spec_command(spec),
+    }
+
+
 def _attrs(spec: AcceptanceSpec, cfg, decoders: Decoders, policies: dict) -> dict:
     s = cfg.sampling
     desc = {k: (f"fixed depth {p.depth}" if k != "adaptive" else
@@ -128,6 +172,7 @@ def _attrs(spec: AcceptanceSpec, cfg, decoders: Decoders, policies: dict) -> dic
                 f"({torch.get_num_threads()} threads)"
                 f"{' cuda ' + torch.cuda.get_device_name() if torch.cuda.is_available() else ''}",
         "created_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        **provenance_attrs(spec),
     }
 
 
@@ -166,7 +211,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
         moe = list(range(1, cfg.target.num_hidden_layers))  # layer 0 is dense
         ds = build_dataset(decoded, cfg.target.num_experts, moe,
                            _attrs(spec, cfg, decoders, policies))
-        ds.to_netcdf(tmp / NC_NAME, engine="scipy", format="NETCDF3_64BIT")
+        write_netcdf(ds, tmp / NC_NAME)
         write_summary(ds, tmp)
         swap_in(tmp, out)
     except BaseException:
@@ -182,11 +227,7 @@ def _progress_line(i: int, total: int, d: Decoded) -> str:
 
 
 def run_from_args(a) -> int:
-    spec = AcceptanceSpec(
-        checkpoint=a.checkpoint, prompts=a.prompts, out=a.out, seeds=tuple(a.seeds),
-        depths=tuple(a.depth), per_kind=a.per_kind, max_prompt_tokens=a.max_prompt_tokens,
-        max_new_tokens=a.max_new_tokens, backend=a.backend, ops=a.ops, precision=a.precision,
-        graphs=a.graphs, force=a.force)
+    spec = spec_from_args(a)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -1,16 +1,30 @@
 """summary.md + summary.html (+ plots/*.svg) of an acceptance Dataset (iquestrt/report/dataset.py).
-Everything here is computed from the Dataset alone, so a stored .nc can be summarized again."""
+Everything here is computed from the Dataset alone, so a stored .nc can be summarized again,
+also one whose integer grids hold −1 for missing entries without a declared _FillValue (the
+committed reports/acceptance/ files): every count here keeps entries ≥ 0 only.
+
+summary.html is summary.md rendered by the `markdown` library (tables extension), each plot's
+image line replaced by the SVG itself, so the HTML file stands alone.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from html import escape
 from pathlib import Path
 
+import markdown
 import numpy as np
 import xarray as xr
 
-from iquestrt.report.svg import bar_chart, line_chart
+from iquestrt.report.stats import FEW_ROUNDS, LEVEL, wilson_interval
+from iquestrt.report.svg import ErrorStyle, PointErrors, bar_chart, line_chart
+
+
+@dataclass(frozen=True)
+class SummaryConfig:
+    few_rounds: int = FEW_ROUNDS  # per-depth points on fewer rounds are flagged
+    level: float = LEVEL  # of the per-depth Wilson intervals
 
 
 @dataclass(frozen=True)
@@ -57,16 +71,31 @@ def policy_stats(ds: xr.Dataset, policy: str) -> PolicyStats:
         _tpot_ms(s), 1e3 * float(np.nanmean(s.first_round_s.values)))
 
 
-def pooled_depth_acceptance(ds: xr.Dataset) -> tuple[np.ndarray, np.ndarray]:
-    """Over all rounds of ds, per depth j: (rounds accepting ≥ j / rounds drafting ≥ j,
-    rounds drafting ≥ j), each [depth]."""
-    ch, ac = ds.chosen_depth.values, ds.accepted_drafts.values
-    rate, n = [], []
-    for j in ds.depth.values:
-        drafted = ch >= j
-        rate.append(_ratio(((ac >= j) & drafted).sum(), drafted.sum()))
-        n.append(int(drafted.sum()))
-    return np.array(rate), np.array(n)
+@dataclass(frozen=True)
+class DepthRate:
+    """Per-depth acceptance of one policy, pooled over all its rounds."""
+    policy: str
+    depth: int  # j
+    accepted: int  # k: rounds accepting ≥ j drafts (among those drafting ≥ j)
+    drafted: int  # n: rounds drafting ≥ j
+    lo: float  # Wilson interval of k / n
+    hi: float
+
+    @property
+    def rate(self) -> float:
+        return _ratio(self.accepted, self.drafted)
+
+
+def depth_rates(ds: xr.Dataset, policy: str, level: float = LEVEL) -> list[DepthRate]:
+    """One DepthRate per depth j of ds over the rounds of `policy`."""
+    s = _sel(ds, ds.policy.values == policy)
+    ch, ac = s.chosen_depth.values, s.accepted_drafts.values
+    out = []
+    for j in map(int, ds.depth.values):
+        drafted = ch >= j  # NaN (a missing round) compares false
+        k, n = int(((ac >= j) & drafted).sum()), int(drafted.sum())
+        out.append(DepthRate(policy, j, k, n, *wilson_interval(k, n, level)))
+    return out
 
 
 def _fractions(values: np.ndarray, bins: list[int]) -> list[float]:
@@ -98,9 +127,71 @@ def _runtime_desc(a) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def blocks(ds: xr.Dataset) -> list[tuple]:
+def _code(text) -> str:
+    """Markdown code span of text, fenced by more backticks than any run inside it."""
+    t = str(text)
+    fence = "`" * (max((len(r) for r in re.findall("`+", t)), default=0) + 1)
+    pad = " " if t.startswith("`") or t.endswith("`") else ""
+    return f"{fence}{pad}{t}{pad}{fence}"
+
+
+def _provenance(a) -> str:
+    """Code revision, checkpoint hash and command; 'not recorded' for an older dataset."""
+    rev = a.get("code_revision", "not recorded")
+    tree = {"clean": "clean worktree", "dirty": "plus uncommitted changes (listed in the "
+            "dataset's `code_worktree_changes`)"}.get(a.get("code_worktree"), "worktree unknown")
+    ck = a.get("checkpoint_sha256")
+    ck_text = (f"checkpoint sha256 {_code(ck)} (over its `*.safetensors` and `*.json` files; "
+               "see the dataset's `checkpoint_sha256_covers`)" if ck else
+               "checkpoint hash not recorded")
+    cmd = a.get("command")
+    return (f"Code revision {_code(rev)}, {tree}; {ck_text}. "
+            + (f"Command: {_code(cmd)}." if cmd else "Command not recorded."))
+
+
+def _depth_blocks(pols: list[str], depth: list[int], rates: dict[str, list[DepthRate]],
+                  cfg: SummaryConfig) -> list[tuple]:
+    def is_few(r: DepthRate) -> bool:
+        return 0 < r.drafted < cfg.few_rounds
+
+    few = [r for p in pols for r in rates[p] if is_few(r)]
+    lvl = f"{cfg.level:.0%}"
+    rows = [[r.policy, r.depth, r.drafted, r.accepted, _f(r.rate, 3),
+             f"[{_f(r.lo, 3)}, {_f(r.hi, 3)}]", "yes" if is_few(r) else ""]
+            for p in pols for r in rates[p] if r.drafted > 0]
+    if few:
+        listed = ", ".join(f"{r.policy} j={r.depth} ({r.drafted} rounds)" for r in few)
+        note = (f"Resting on fewer than {cfg.few_rounds} rounds (hollow in the plot, "
+                f"'yes' under 'few rounds'): {listed}. Read these as rough.")
+    else:
+        note = f"Every point rests on at least {cfg.few_rounds} rounds."
+    err = {p: PointErrors(tuple(r.lo for r in rates[p]), tuple(r.hi for r in rates[p]),
+                          tuple(r.drafted for r in rates[p])) for p in pols}
+    style = ErrorStyle(interval=f"Wilson {lvl} interval", count="n",
+                       min_n=cfg.few_rounds, hollow=f"n < {cfg.few_rounds} rounds")
+    return [
+        ("h", "Per-depth acceptance"),
+        ("p", "Rounds accepting at least j drafts (k) over rounds that drafted at least j (n), "
+              f"with Wilson {lvl} intervals; depths no round drafted are left out. The interval "
+              "treats rounds as independent trials; rounds of one decode share a prompt, so "
+              "the real uncertainty is somewhat larger. An adaptive policy drafts past its "
+              "minimum depth only when it expects the drafts to survive, so its deeper depths "
+              "are a selected sample."),
+        ("table", ["policy", "j", "n (rounds drafting ≥ j)", "k (accepting ≥ j)",
+                   "acceptance k/n", f"Wilson {lvl} interval",
+                   f"few rounds (n < {cfg.few_rounds})"], rows),
+        ("p", note),
+        ("fig", "depth_acceptance", line_chart(
+            "Per-depth acceptance", depth, {p: [r.rate for r in rates[p]] for p in pols},
+            "draft depth j", "P(accepted ≥ j | drafted ≥ j)", errors=err, style=style)),
+        ("p", f"Bars: Wilson {lvl} intervals; the rows under the axis give n per point; hollow "
+              f"points rest on fewer than {cfg.few_rounds} rounds."),
+    ]
+
+
+def blocks(ds: xr.Dataset, cfg: SummaryConfig = SummaryConfig()) -> list[tuple]:
     """The summary as blocks: ("h", text) | ("p", text) | ("table", header, rows) |
-    ("fig", name, svg)."""
+    ("fig", name, svg); _html adds ("raw", html)."""
     pols = policies(ds)
     stats = [policy_stats(ds, p) for p in pols]
     kinds = list(dict.fromkeys(str(k) for k in ds.kind.values))
@@ -109,13 +200,14 @@ def blocks(ds: xr.Dataset) -> list[tuple]:
     n_prompts, seeds = len(set(ds.request_id.values)), sorted(set(map(int, ds.seed.values)))
     out: list[tuple] = [
         ("h", "Acceptance report"),
-        ("p", f"Checkpoint `{a.get('checkpoint')}` ({a.get('model')}), backend "
-              f"{a.get('backend')}{_runtime_desc(a)}, prompts `{a.get('prompts')}`: "
+        ("p", f"Checkpoint {_code(a.get('checkpoint'))} ({a.get('model')}), backend "
+              f"{a.get('backend')}{_runtime_desc(a)}, prompts {_code(a.get('prompts'))}: "
               f"{ds.sizes['request']} decodes "
               f"({n_prompts} prompts × seeds {seeds} × policies {', '.join(pols)}), up to "
               f"{a.get('max_new_tokens')} new tokens, prompts cut to their last "
               f"{a.get('max_prompt_tokens')} tokens. Sampling: {a.get('sampling')}. "
               f"Policies: {a.get('policies')}."),
+        ("p", _provenance(a)),
         ("p", f"Timing: {a.get('timing')}"),
         ("h", "Adaptive vs fixed depth"),
         ("table", ["policy", "decodes", "rounds", "tokens", "drafts/round", "tokens/round",
@@ -146,18 +238,7 @@ def blocks(ds: xr.Dataset) -> list[tuple]:
         {p: _fractions(_sel(ds, ds.policy.values == p).accepted_length.values, lbins)
          for p in pols},
         "tokens emitted in the round", "fraction of rounds"))]
-    acc = {p: pooled_depth_acceptance(_sel(ds, ds.policy.values == p)) for p in pols}
-    out += [("h", "Per-depth acceptance"),
-            ("p", "Rounds accepting at least j drafts over rounds that drafted at least j (in "
-                  "brackets: rounds drafting at least j). An adaptive policy drafts past its "
-                  "minimum depth only when it expects the drafts to survive, so its deeper "
-                  "depths are a selected sample."),
-            ("table", ["policy"] + [f"j={j}" for j in depth],
-             [[p] + [f"{_f(x, 3)} ({n})" for x, n in zip(*acc[p], strict=True)] for p in pols]),
-            ("fig", "depth_acceptance", line_chart(
-                "Per-depth acceptance", depth, {p: list(acc[p][0]) for p in pols},
-                "draft depth j",
-                "P(accepted ≥ j | drafted ≥ j)"))]
+    out += _depth_blocks(pols, depth, {p: depth_rates(ds, p, cfg.level) for p in pols}, cfg)
     by_kind = {p: [_sel(ds, (ds.policy.values == p) & (ds.kind.values == k)) for k in kinds]
                for p in pols}
     tpr = {p: [_ratio(s.new_tokens.sum(), (s.chosen_depth.values >= 0).sum()) for s in v]
@@ -197,39 +278,32 @@ def _md(blocks_: list[tuple]) -> str:
             lines += ["| " + " | ".join(map(str, b[1])) + " |",
                       "|" + "---|" * len(b[1])]
             lines += ["| " + " | ".join(map(str, r)) + " |" for r in b[2]] + [""]
+        elif b[0] == "raw":
+            lines += [b[1], ""]
         else:
             lines += [f"![{b[1]}](plots/{b[1]}.svg)", ""]
     return "\n".join(lines)
 
 
 def _html(blocks_: list[tuple]) -> str:
-    body = []
-    for b in blocks_:
-        if b[0] == "h":
-            tag = "h1" if b[1] == "Acceptance report" else "h2"
-            body.append(f"<{tag}>{escape(b[1])}</{tag}>")
-        elif b[0] == "p":
-            body.append(f"<p>{escape(b[1])}</p>")
-        elif b[0] == "table":
-            head = "".join(f"<th>{escape(str(c))}</th>" for c in b[1])
-            rows = "".join("<tr>" + "".join(f"<td>{escape(str(c))}</td>" for c in r) + "</tr>"
-                           for r in b[2])
-            body.append(f"<table><tr>{head}</tr>{rows}</table>")
-        else:
-            body.append(f"<figure>{b[2]}</figure>")
+    """summary.md's text rendered as HTML, every plot inline."""
+    # a <figure> at the start of a block is raw HTML to Python-Markdown: passed through as is
+    inline = [b if b[0] != "fig" else ("raw", f"<figure>\n{b[2].strip()}\n</figure>")
+              for b in blocks_]
+    body = markdown.markdown(_md(inline), extensions=["tables"], output_format="html")
     style = ("body{font-family:sans-serif;max-width:900px;margin:2em auto}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;"
-             "text-align:right}")
+             "text-align:right}code{font-size:90%}")
     return ("<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>Acceptance report"
-            f"</title><style>{style}</style></head><body>\n" + "\n".join(body) +
-            "\n</body></html>\n")
+            f"</title><style>{style}</style></head><body>\n{body}\n</body></html>\n")
 
 
-def write_summary(ds: xr.Dataset, folder: Path) -> list[Path]:
+def write_summary(ds: xr.Dataset, folder: Path, cfg: SummaryConfig = SummaryConfig()
+                  ) -> list[Path]:
     """Writes summary.md, summary.html (plots inline) and plots/<name>.svg into folder."""
     folder = Path(folder)
     (folder / "plots").mkdir(parents=True, exist_ok=True)
-    bl = blocks(ds)
+    bl = blocks(ds, cfg)
     written = []
     for b in bl:
         if b[0] == "fig":

@@ -1,13 +1,14 @@
 """Paired experiments end to end on the tiny correlated checkpoint (CPU, twins): alternation
 order and why it matters (a synthetic drifting clock: identical arms give a ratio interval
 around 1 only when the order alternates), identical arms → exactly zero acceptance difference,
-the replay check stopping an experiment, round-program signatures, the atomic record, and the
-CLI."""
+the replay check stopping an experiment, round-program signatures, the atomic record with its
+warnings (busy machine, few pairs), and the CLI."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
@@ -19,7 +20,7 @@ from iquestrt.experiment.main import run_and_record
 from iquestrt.experiment.record import write_record
 from iquestrt.experiment.runner import Experiment, ExperimentError, Plan, PromptCase
 from iquestrt.experiment.signature import ProgramSignature, compare
-from iquestrt.experiment.summary import summarize
+from iquestrt.experiment.summary import markdown, summarize
 from reference.config import preset
 from tests.experiment.conftest import PROMPTS
 from tests.test_engine_setup import SAMPLING
@@ -125,15 +126,29 @@ def test_program_signatures(tiny_dir):
     assert compare("cuda", a, a2)["graphs"].startswith("graphs off in both arms")
 
 
-def test_record_is_complete_and_written_atomically(tiny_dir, tmp_path):
+def test_record_is_complete_and_written_atomically(tiny_dir, tmp_path, monkeypatch):
     plan = _plan((("control", "depth=3"), ("candidate", "depth=2")), seeds=(0,))
     out = tmp_path / "exp"
+    busy = 3.0 * (os.cpu_count() or 1) + 8  # far above the CPUs, own threads taken off or not
+    monkeypatch.setattr(os, "getloadavg", lambda: (busy, busy, busy))
     rec = run_and_record(plan, _engines(tiny_dir, plan), out=out, checkpoint=tiny_dir,
                          command="iquestrt experiment …", resamples=500, boot_seed=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
     assert json.loads((out / "record.json").read_text()) == rec
     md = (out / "record.md").read_text()
     assert rec["revision"]["commit"] in md and "## Raw runs" in md
+    # 2 prompts × 1 seed = 2 pairs on a (patched) busy machine: both warnings, in both files
+    assert [w.split(":")[0] for w in rec["warnings"]] == ["high machine load", "few pairs"]
+    assert rec["warnings"][1].startswith("few pairs: 2 (prompt, seed) pairs, fewer than 10")
+    assert rec["load"]["load_1m_start"] == rec["load"]["load_1m_end"] == busy
+    assert rec["load"]["cpus"] == os.cpu_count()
+    warned = md.split("## Warnings")[1].split("## Setup")[0]
+    assert all(f"- **{w}**" in warned for w in rec["warnings"])
+    unknown = {**rec, "revision": {"commit": "unknown", "worktree": "unknown", "dirty": []},
+               "warnings": []}
+    md_unknown = markdown(unknown)
+    assert "- revision: `unknown` (not run from a git checkout)" in md_unknown
+    assert "## Warnings\n\n- none\n" in md_unknown
     assert {"python", "torch", "triton", "device"} <= set(rec["environment"])
     assert len(rec["runs"]) == 2 * 2 and all(r["decode_s"] > 0 for r in rec["runs"])
     assert rec["log"][-1].startswith("pair 2/2 p1 seed 0: ")

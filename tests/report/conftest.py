@@ -1,7 +1,9 @@
 """Shared inputs of the report tests: the committed mini model and a two-prompt JSONL file cut
-from the committed request set (text prompts, so the checkpoint's tokenizer is exercised)."""
+from the committed request set (text prompts, so the checkpoint's tokenizer is exercised); and a
+reference Wilson interval for the summary tests."""
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -24,3 +26,12 @@ def two_prompts(tmp_path_factory) -> Path:
     lines = [json.dumps({"id": r["id"], "kind": r["kind"], "prompt": r["prompt"]}) for r in recs]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def wilson95(k: int, n: int) -> tuple[float, float]:
+    """Wilson's 95 % score interval of k / n, from its closed form (the report takes scipy's)."""
+    z = 1.959963984540054
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)  # rounding at k = 0 or n

@@ -1,10 +1,14 @@
 """`run_acceptance` end to end on the mini model (reference backend, bf16): the Dataset against
-an independent re-decode of every request, per-depth acceptance and distinct experts recomputed
-here from first principles, the summary files, the netCDF round trip, atomic output."""
+an independent re-decode of every request, per-depth acceptance (with its Wilson intervals) and
+distinct experts recomputed here from first principles, the summary files, the netCDF round trip
+(naive means over padded variables), provenance attributes, atomic output."""
 
+import argparse
+import hashlib
 import json
 import math
 import os
+import shlex
 
 import numpy as np
 import pytest
@@ -14,12 +18,21 @@ from tokenizers import Tokenizer
 
 import reference.ops as ref_ops
 from iquestrt.report import acceptance as acc_mod
-from iquestrt.report.acceptance import NC_NAME, AcceptanceSpec, run_acceptance
+from iquestrt.report.acceptance import (
+    NC_NAME,
+    AcceptanceSpec,
+    run_acceptance,
+    spec_command,
+    spec_from_args,
+)
+from iquestrt.report.args import add_acceptance_arguments
 from iquestrt.report.prompts import load_prompts
+from iquestrt.report.provenance import revision
 from reference.checkpoint import load_checkpoint
 from reference.depth import policy_from_spec
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, ReferenceGenerator
+from tests.report.conftest import wilson95
 
 SEEDS, DEPTHS, PROMPT_TOKENS, NEW_TOKENS = (0, 1), ("adaptive", "3"), 24, 12
 
@@ -101,8 +114,8 @@ def test_rounds_match_an_independent_decode(report, redecoded):
                 assert float(d.draft_entropy[k, j]) == info.entropy
                 assert int(d.draft_accepted[k, j]) == (1 if j < r.accepted else 0)
             pad = slice(len(r.drafts), None)
-            assert (d.draft_token[k, pad] == -1).all() and d.draft_prob[k, pad].isnull().all()
-        assert (d.chosen_depth[n:] == -1).all() and d.round_latency_s[n:].isnull().all()
+            assert d.draft_token[k, pad].isnull().all() and d.draft_prob[k, pad].isnull().all()
+        assert d.chosen_depth[n:].isnull().all() and d.round_latency_s[n:].isnull().all()
 
 
 def test_per_depth_acceptance_recomputed(report, redecoded):
@@ -168,11 +181,80 @@ def test_latencies(report):
         assert float(d.first_round_s) == ends[0]
 
 
-def test_summary_and_adaptive_vs_fixed(report):
+def test_naive_means_of_the_reopened_file_match_the_decodes(report, redecoded):
+    out, _, _ = report
+    _, runs = redecoded
+    rounds = [r for _, res in runs.values() for r in res.rounds]
+    drafts = [(j < r.accepted, d.prob) for r in rounds for j, d in enumerate(r.drafts)]
+    with xr.open_dataset(out / NC_NAME) as ds:
+        assert ds.accepted_length.isnull().any()  # some decode has fewer rounds: padding
+        want = {"accepted_length": np.mean([len(r.emitted) for r in rounds]),
+                "accepted_drafts": np.mean([r.accepted for r in rounds]),
+                "chosen_depth": np.mean([len(r.drafts) for r in rounds]),
+                "draft_prob": np.mean([p for _, p in drafts])}
+        for name, value in want.items():
+            assert float(ds[name].mean()) == pytest.approx(value, rel=1e-12), name
+        # stored as int8, read back as float32: its mean is good to float32
+        assert float(ds.draft_accepted.mean()) == pytest.approx(
+            np.mean([a for a, _ in drafts]), rel=1e-6)
+        assert ds.accepted_length.attrs["units"] == "tokens"
+        assert ds.round_latency_s.attrs["units"] == "s"
+
+
+def test_provenance_attributes(report, mini, two_prompts):
+    out, ds, _ = report
+    a = ds.attrs
+    rev = revision()  # checked against git itself in test_report_provenance.py
+    assert (a["code_revision"], a["code_worktree"]) == (rev["commit"], rev["worktree"])
+    files = sorted(p for p in mini.rglob("*") if p.suffix in (".json", ".safetensors"))
+    manifest = "".join(f"{hashlib.sha256(p.read_bytes()).hexdigest()}  "
+                       f"{p.relative_to(mini).as_posix()}\n" for p in files)
+    assert a["checkpoint_sha256_manifest"] == manifest and "config.json" in manifest
+    assert a["checkpoint_sha256"] == hashlib.sha256(manifest.encode()).hexdigest()
+    assert "*.safetensors" in a["checkpoint_sha256_covers"]
+    # the command, parsed by the real CLI parser, gives back the spec that ran
+    words = shlex.split(a["command"])
+    assert words[:3] == ["iquestrt", "report", "acceptance"]
+    parser = argparse.ArgumentParser()
+    add_acceptance_arguments(parser)
+    assert spec_from_args(parser.parse_args(words[3:])) == _spec(mini, two_prompts, out)
+    assert a["checkpoint_sha256"] in (out / "summary.md").read_text()
+
+
+def test_spec_command_round_trips_every_setting(tmp_path):
+    spec = AcceptanceSpec(checkpoint=tmp_path / "ck pt", prompts=tmp_path / "p.jsonl",
+                          out=tmp_path / "o", seeds=(4, 9), depths=("2", "adaptive"),
+                          per_kind=3, max_prompt_tokens=77, max_new_tokens=5,
+                          backend="runtime", ops="twins", precision="fp32", graphs="off",
+                          force=True)
+    parser = argparse.ArgumentParser()
+    add_acceptance_arguments(parser)
+    back = spec_from_args(parser.parse_args(shlex.split(spec_command(spec))[3:]))
+    assert back == spec
+
+
+def test_summary_and_adaptive_vs_fixed(report, redecoded):
     out, ds, _ = report
     md = (out / "summary.md").read_text()
     html = (out / "summary.html").read_text()
     assert "| adaptive − fixed-3 | 4 |" in md  # 2 prompts × 2 seeds paired
+    assert "<table>" in html and "<code>" in html
+    assert not [line for line in html.splitlines() if line.startswith(("|", "#"))]
+    _, runs = redecoded
+    depth_section = md.split("## Per-depth acceptance")[1].split("\n## ")[0]
+    for policy in ("adaptive", "fixed-3"):
+        rounds = [r for (_, _, p), (_, res) in runs.items() if p == policy for r in res.rounds]
+        for j in range(1, ds.sizes["depth"] + 1):
+            n = sum(len(r.drafts) >= j for r in rounds)
+            k = sum(len(r.drafts) >= j and r.accepted >= j for r in rounds)
+            if n == 0:
+                assert f"| {policy} | {j} |" not in depth_section
+                continue
+            ci = wilson95(k, n)
+            few = "yes" if n < 20 else ""
+            row = (f"| {policy} | {j} | {n} | {k} | {k / n:.3f} | [{ci[0]:.3f}, "
+                   f"{ci[1]:.3f}] | {few} |")
+            assert row in md, row
     for name in ("chosen_depth", "accepted_length", "depth_acceptance", "tokens_per_round",
                  "time_per_token", "distinct_experts"):
         assert f"(plots/{name}.svg)" in md and (out / "plots" / f"{name}.svg").is_file()

@@ -1,12 +1,14 @@
 """The tiny SVG writer: ticks cover the data, bars and lines land where the axes say, NaN
-leaves gaps, bad series are rejected."""
+leaves gaps, error bars span their intervals, counts and hollow markers show, bad series and
+bad intervals are rejected."""
 
 import math
+import re
 import xml.etree.ElementTree as ET
 
 import pytest
 
-from iquestrt.report.svg import Frame, bar_chart, line_chart, nice_ticks
+from iquestrt.report.svg import ErrorStyle, Frame, PointErrors, bar_chart, line_chart, nice_ticks
 
 NS = "{http://www.w3.org/2000/svg}"
 
@@ -52,3 +54,58 @@ def test_mismatched_series_are_rejected():
         line_chart("t", [1, 2], {"s": [1, 2, 3]}, "x", "y")
     with pytest.raises(ValueError, match="no x values"):
         line_chart("t", [], {}, "x", "y")
+
+
+def _numbers(d: str) -> list[float]:
+    return [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", d)]
+
+
+def test_error_bars_counts_and_hollow_points():
+    f, style = Frame(), ErrorStyle(min_n=20, hollow="n < 20 rounds")
+    errs = {"a": PointErrors((0.0, 0.25, math.nan), (1.0, 0.75, math.nan), (40, 8, 0)),
+            "b": PointErrors((0.1, 0.2, 0.3), (0.5, 0.6, 0.7), (30, 30, 30))}
+    svg_text = line_chart("t", [1, 2, 3], {"a": [0.5, 0.5, math.nan], "b": [0.3, 0.4, 0.5]},
+                          "x", "y", errors=errs, style=style)
+    svg = ET.fromstring(svg_text)
+    assert int(svg.get("height")) == f.height + 2 * style.row_h  # one count row per series
+    bars = [p for p in svg.iter(NS + "path") if p.get("class") == "errorbar"]
+    assert len(bars) == 2 + 3  # a's third point is missing
+    # ticks run 0 … 1, so v sits at top + plot_h · (1 − v); the bar goes from lo up to hi
+    for bar, (lo, hi) in zip(bars, [(0.0, 1.0), (0.25, 0.75), (0.1, 0.5), (0.2, 0.6),
+                                    (0.3, 0.7)], strict=True):
+        nums = _numbers(bar.get("d"))
+        assert nums[1] == pytest.approx(f.top + f.plot_h * (1 - lo), abs=0.06)
+        assert nums[2] == pytest.approx(f.top + f.plot_h * (1 - hi), abs=0.06)
+    points = [c for c in svg.iter(NS + "circle") if (c.get("class") or "").startswith("point")]
+    assert [c.get("class") for c in points] == ["point", "point hollow", "point", "point",
+                                                "point"]
+    assert points[1].get("fill") == "white" and points[0].get("fill") != "white"
+    # a and b are dodged apart at the same x
+    assert float(points[0].get("cx")) < float(points[2].get("cx"))
+    counts = [t.text for t in svg.iter(NS + "text") if t.get("class") == "count"]
+    assert counts == ["40", "8", "0", "30", "30", "30"]
+    texts = [t.text for t in svg.iter(NS + "text")]
+    assert "n < 20 rounds" in texts and "95 % interval" in texts
+    # no hollow point, no hollow note
+    quiet = ET.fromstring(line_chart("t", [1, 2, 3], {"b": [0.3, 0.4, 0.5]}, "x", "y",
+                                     errors={"b": errs["b"]}, style=style))
+    assert "n < 20 rounds" not in [t.text for t in quiet.iter(NS + "text")]
+
+
+def test_error_bars_widen_the_axis():
+    svg = ET.fromstring(line_chart("t", [1, 2], {"a": [2.0, 3.0]}, "x", "y",
+                                   errors={"a": PointErrors((1.0, 2.5), (2.5, 7.2), (5, 5))}))
+    ticks = [float(t.text) for t in svg.iter(NS + "text") if t.get("text-anchor") == "end"
+             and t.text.replace(".", "").isdigit()]
+    assert max(ticks) >= 7.2
+
+
+@pytest.mark.parametrize("errors, match", [
+    ({"a": PointErrors((0.0,), (1.0,), (1,))}, "have 1/1/1 lo/hi/n for 2 x values"),
+    ({"z": PointErrors((0.0, 0.0), (1.0, 1.0), (1, 1))}, "errors for 'z', which is no series"),
+    ({"a": PointErrors((0.0, 0.6), (1.0, 0.5), (1, 1))}, "outside its interval"),
+    ({"a": PointErrors((0.0, 0.1), (1.0, 0.4), (1, 1))}, "value 0.5 outside its interval"),
+])
+def test_bad_errors_are_rejected(errors, match):
+    with pytest.raises(ValueError, match=match):
+        line_chart("t", [1, 2], {"a": [0.5, 0.5]}, "x", "y", errors=errors)
