@@ -31,8 +31,6 @@ from iquestrt.files import checkpoint_tokenizer
 from reference.checkpoint import load_checkpoint
 from reference.speculative import GenerationRequest, GenerationResult
 
-FINISH = {"stop": "stop", "length": "length", "cancelled": "cancelled"}  # ours → OpenAI's
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -239,7 +237,7 @@ class LLM:
         timing = RequestTiming(t.prefill_s, t.setup_s, t.decode_s, t.captured, len(res.rounds),
                                len(res.tokens))
         return RequestOutput(req.prompt_ids, text.text if self.tokenizer else None,
-                             tuple(res.tokens), FINISH[res.stop_reason], SpecDecodeStats.of(res),
+                             tuple(res.tokens), res.stop_reason, SpecDecodeStats.of(res),
                              timing, res)
 
     def close(self) -> None:
