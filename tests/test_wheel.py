@@ -94,3 +94,15 @@ def test_a_qualify_gate_runs_from_the_wheel(installed):
               "--out", str(work / "q")], work, env)
     assert "8 readiness protocol" in p.stdout and "pass" in p.stdout
     assert (work / "q" / "qualify.json").is_file()
+
+
+def test_report_acceptance_runs_on_the_shipped_defaults(installed):
+    """Model, request set and output folder default: the wheel's data, ./acceptance-report."""
+    py, venv, work, env, site = installed
+    _run([str(venv / "bin" / "iquestrt"), "report", "acceptance", "--limit", "1",
+          "--max-new-tokens", "8", "--max-prompt-tokens", "64", "--depth", "3", "--quiet"],
+         work, env)
+    out = work / "acceptance-report"
+    assert (out / "acceptance.nc").is_file() and (out / "summary.md").is_file()
+    summary = (out / "summary.md").read_text()
+    assert "_shipped" in summary and "mini" in summary, summary[:400]

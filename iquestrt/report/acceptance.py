@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from iquestrt import assets
 from iquestrt.files import checkpoint_tokenizer, swap_in
 from iquestrt.report.dataset import MAX_ROWS, build_dataset, write_netcdf
 from iquestrt.report.decode import BackendSpec, Decoded, Decoders, policy_label
@@ -54,6 +55,7 @@ class AcceptanceSpec:
     seeds: tuple[int, ...] = (0,)
     depths: tuple[str, ...] = ("adaptive",)  # policy specs: "adaptive" or "0" … "7"
     per_kind: int | None = None
+    limit: int | None = None  # the first N prompts (after per_kind)
     max_prompt_tokens: int = 512
     max_new_tokens: int = 64
     backend: str = "reference"
@@ -74,6 +76,8 @@ class AcceptanceSpec:
             raise ValueError(f"--seeds {list(self.seeds)}: a seed appears twice")
         if not self.depths:
             raise ValueError("--depth: give at least one policy: 'adaptive' or 0 … 7")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit: must be >= 1, got {self.limit}")
         if self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens: must be >= 1, got {self.max_new_tokens}")
         if self.backend not in ("reference", "runtime"):
@@ -118,6 +122,8 @@ def spec_command(spec: AcceptanceSpec) -> str:
          "--seeds", *map(str, spec.seeds), "--depth", *map(str, spec.depths)]
     if spec.per_kind is not None:
         w += ["--per-kind", str(spec.per_kind)]
+    if spec.limit is not None:
+        w += ["--limit", str(spec.limit)]
     w += ["--max-prompt-tokens", str(spec.max_prompt_tokens),
           "--max-new-tokens", str(spec.max_new_tokens), "--backend", spec.backend,
           "--ops", spec.ops, "--graphs", spec.graphs]
@@ -129,8 +135,10 @@ def spec_command(spec: AcceptanceSpec) -> str:
 def spec_from_args(a) -> AcceptanceSpec:
     """The spec of parsed `iquestrt report acceptance` arguments (iquestrt/report/args.py)."""
     return AcceptanceSpec(
-        checkpoint=a.checkpoint, prompts=a.prompts, out=a.out, seeds=tuple(a.seeds),
-        depths=tuple(a.depth), per_kind=a.per_kind, max_prompt_tokens=a.max_prompt_tokens,
+        checkpoint=assets.default_model() if a.checkpoint is None else a.checkpoint,
+        prompts=assets.data("requests", "v1") if a.prompts is None else a.prompts,
+        out=a.out, seeds=tuple(a.seeds), depths=tuple(a.depth), per_kind=a.per_kind,
+        limit=a.limit, max_prompt_tokens=a.max_prompt_tokens,
         max_new_tokens=a.max_new_tokens, backend=a.backend, ops=a.ops, precision=a.precision,
         graphs=a.graphs, force=a.force)
 
@@ -187,7 +195,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
     policies = resolve_policies(spec, cfg.draft.num_draft_slots)
     prompts: list[Prompt] = load_prompts(spec.prompts, checkpoint_tokenizer(spec.checkpoint),
                                          spec.max_prompt_tokens, spec.per_kind,
-                                         cfg.target.vocab_size)
+                                         cfg.target.vocab_size, spec.limit)
     longest = max(len(p.ids) for p in prompts)
     decoders = Decoders(ckpt, BackendSpec(spec.backend, spec.ops, spec.precision,
                                           longest + spec.max_new_tokens + MAX_ROWS, spec.graphs))

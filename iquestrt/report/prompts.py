@@ -52,14 +52,16 @@ def _encode(r: dict, tokenizer, where: str) -> list[int]:
 
 
 def load_prompts(path: Path, tokenizer, max_tokens: int, per_kind: int | None = None,
-                 vocab_size: int | None = None) -> list[Prompt]:
+                 vocab_size: int | None = None, limit: int | None = None) -> list[Prompt]:
     """Prompts in file order (a request-set directory: kinds in KINDS order); per_kind keeps the
-    first per_kind of each kind."""
+    first per_kind of each kind, then limit the first limit of those."""
     path = Path(path)
     if max_tokens < 1:
         raise ValueError(f"--max-prompt-tokens: must be >= 1, got {max_tokens}")
     if per_kind is not None and per_kind < 1:
         raise ValueError(f"--per-kind: must be >= 1, got {per_kind}")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit: must be >= 1, got {limit}")
     if path.is_dir():
         if not any((path / f"{k}.jsonl").is_file() for k in KINDS):
             raise ValueError(f"--prompts {path}: a directory needs the request files "
@@ -74,6 +76,8 @@ def load_prompts(path: Path, tokenizer, max_tokens: int, per_kind: int | None = 
     taken: dict[str, int] = {}
     out = []
     for r in records:
+        if limit is not None and len(out) >= limit:
+            break
         kind = str(r["kind"])
         if per_kind is not None and taken.get(kind, 0) >= per_kind:
             continue

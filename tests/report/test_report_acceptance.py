@@ -224,13 +224,37 @@ def test_provenance_attributes(report, mini, two_prompts):
 def test_spec_command_round_trips_every_setting(tmp_path):
     spec = AcceptanceSpec(checkpoint=tmp_path / "ck pt", prompts=tmp_path / "p.jsonl",
                           out=tmp_path / "o", seeds=(4, 9), depths=("2", "adaptive"),
-                          per_kind=3, max_prompt_tokens=77, max_new_tokens=5,
+                          per_kind=3, limit=2, max_prompt_tokens=77, max_new_tokens=5,
                           backend="runtime", ops="twins", precision="fp32", graphs="off",
                           force=True)
     parser = argparse.ArgumentParser()
     add_acceptance_arguments(parser)
     back = spec_from_args(parser.parse_args(shlex.split(spec_command(spec))[3:]))
     assert back == spec
+
+
+def test_defaults_are_the_shipped_model_and_request_set(tmp_path, monkeypatch):
+    from iquestrt import assets
+    from iquestrt.report.args import DEFAULT_OUT
+    parser = argparse.ArgumentParser()
+    add_acceptance_arguments(parser)
+    monkeypatch.chdir(tmp_path)
+    spec = spec_from_args(parser.parse_args(["--limit", "1"]))
+    assert spec.checkpoint == assets.default_model()
+    assert spec.prompts == assets.data("requests", "v1")
+    assert spec.out.name == DEFAULT_OUT and spec.limit == 1
+    bad = _spec(spec.checkpoint, spec.prompts, tmp_path / "x", limit=0)
+    with pytest.raises(ValueError, match="--limit: must be >= 1"):
+        bad.validate()
+
+
+def test_limit_keeps_the_first_prompts_in_file_order(mini):
+    from iquestrt import assets
+    tok = Tokenizer.from_file(str(mini / "tokenizer.json"))
+    reqs = assets.data("requests", "v1")
+    every = load_prompts(reqs, tok, PROMPT_TOKENS, per_kind=2)
+    assert load_prompts(reqs, tok, PROMPT_TOKENS, per_kind=2, limit=3) == every[:3]
+    assert len(every) > 3
 
 
 def test_summary_and_adaptive_vs_fixed(report, redecoded):
