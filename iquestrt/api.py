@@ -284,14 +284,19 @@ class TextStream:
         self._q: queue.Queue = queue.Queue()
         self._text = _Text(llm.tokenizer)
         self._error: BaseException | None = None
+        self._cuda_index = (torch.cuda.current_device()
+                            if llm.backend.device.type == "cuda" else None)
         self._thread = threading.Thread(target=self._run, name="iquestrt-stream", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _bind_device(self) -> None:
+        """The current CUDA device is per thread: the worker takes the engine's (an engine on
+        "cuda" without an index runs on the device current where the stream was made)."""
         device = self.llm.backend.device
         if device.type == "cuda":
-            torch.cuda.set_device(device)  # the current device is per thread
+            torch.cuda.set_device(device.index if device.index is not None else self._cuda_index)
 
+    def _run(self) -> None:
         def sink(new: list[int]):
             self.tokens += len(new)
             delta = self._text.push(new) if self.llm.tokenizer is not None else list(new)
@@ -299,7 +304,8 @@ class TextStream:
                 self._q.put(delta)
             return not self._cancel.is_set()
 
-        try:
+        try:  # every failure, the device binding's too, reaches the iterating thread
+            self._bind_device()
             with self.llm._lock:
                 res = self.llm.backend.generate(self.req, sink)
             self.output = self.llm._output(self.req, res, self._text)

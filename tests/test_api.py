@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iquestrt import LLM, EngineOptions, SamplingParams, SpecDecodeStats
+from iquestrt.api import TextStream
 from iquestrt.engine import EngineError
 from qualification import mini_engine
 from reference.checkpoint import load_checkpoint
@@ -79,6 +80,39 @@ def test_a_failing_request_raises_in_the_iterating_thread(llm, monkeypatch):
     monkeypatch.setattr(llm.backend, "generate", broken)
     with pytest.raises(EngineError, match="readiness failure"), llm.stream([1, 2], PARAMS) as s:
         list(s)
+
+
+def test_a_failure_binding_the_workers_device_reaches_the_caller(llm, monkeypatch):
+    """The worker thread's first step (binding the CUDA device) failed outside the handler once
+    (a "cuda" device without an index): the thread died and the iterator waited for tokens."""
+    def unbound(self):
+        raise ValueError("Expected a torch.device with a specified index")
+
+    monkeypatch.setattr(TextStream, "_bind_device", unbound)
+    with pytest.raises(ValueError, match="specified index"), llm.stream([1, 2], PARAMS) as s:
+        list(s)
+    monkeypatch.undo()
+    assert llm.generate([1, 2], PARAMS).token_ids  # the engine was left free
+
+
+@pytest.mark.gpu
+def test_stream_on_the_gpu_kernels_equals_generate():
+    """On a GPU the stream's worker thread runs the compiled kernels, with and without graphs:
+    the same tokens as generate, deltas as they come, cancellation."""
+    for graphs in (False, True):
+        gpu = LLM(mini_engine.MINI, ops="kernels", graphs=graphs, draft_depth=3,
+                  max_model_len=512)
+        out = gpu.generate(PROMPT, SamplingParams(max_tokens=120, seed=3))
+        with gpu.stream(PROMPT, SamplingParams(max_tokens=120, seed=3)) as s:
+            deltas = list(s)
+        assert "".join(deltas) == out.text and s.output.token_ids == out.token_ids
+        assert len(deltas) > 2
+        with gpu.stream(PROMPT, SamplingParams(max_tokens=400, seed=3)) as s:
+            next(s)
+            s.cancel()
+            list(s)
+        assert s.output.finish_reason == "cancelled" and len(s.output.token_ids) < 400
+        gpu.close()
 
 
 @pytest.mark.parametrize("kw, message", [
