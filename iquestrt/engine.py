@@ -21,8 +21,9 @@ One round (m = position of the newest token x_m, not yet in the target cache):
   2. target forward over [x_m, y_1 … y_D] at positions m … m+D (writes their K/V);
   3. the sampler serves the D+1 target rows (sparse p rows); verify accepts a drafts and draws
      the replacement or the bonus;
-  4. settle: both caches keep positions ≤ m+a (rollback relabels the rest); the hidden states of
-     positions m … m+D are kept for the next depth 0.
+  4. settle: the target keeps positions ≤ m+a, the draft ≤ m+a or, with draft_kv_settle
+     "recompute", ≤ m (rollback relabels the rest); the hidden states of positions m … m+D are
+     kept for the next depth 0.
 Faults end the request with EngineError naming the round and layer (a round records them in the
 log; the host raises when it reads it): a tail's readiness flag, non-finite logits, a token
 outside the vocabulary. Bad requests raise ValueError before any device work.
@@ -367,8 +368,8 @@ class Engine:
         emitted = [int(t) for t in log.emitted[i, :n_em]]
         c = st.caches
         c.target_len = m + a + 1
-        if d > 0:
-            c.draft_next = min(m + a + 1, m + d)
+        if d > 0:  # as RoundProgram._settle
+            c.draft_next = min(m + 1 if self.cfg.draft.recompute_settled else m + a + 1, m + d)
         st.rounds += 1
         rec = RoundRecord(m, drafts, a, emitted, bonus == 1)
         before = len(st.result.tokens)

@@ -7,8 +7,9 @@ Every live-row count is a device scalar multiplied by go = 1 − done, so a roun
 the request finished (or failed) runs each kernel with 0 live rows and every state update below
 is a `where(go, new, old)`: it commits nothing.
 
-  depth 0   catch-up rows draft_next … m (c = m − draft_next + 1: 1 row, or 2 after a round that
-            accepted every draft), token at p with the target hidden of p − 1 (hidden_at …)
+  depth 0   catch-up rows draft_next … m (c = m − draft_next + 1: "keep" 1 row, or 2 after a
+            round that accepted every draft; "recompute" a+1 ≤ R rows), token at p with the
+            target hidden of p − 1 (hidden_at …)
   depth j   one row at position draft_next, token y_j with the previous depth's hidden (its
             operand built inside the eh_proj GEMM: no entry launch); with
             an adaptive policy (reference/depth.py) a control step on the device decides after
@@ -17,7 +18,9 @@ is a `where(go, new, old)`: it commits nothing.
             and the verification width shrinks to 1 + drafts run
   target    [x_m, y_1 … y_D] at positions m … m+D; sample; verify (a accepted)
   settle    target caches keep positions < m+a+1 (written through m+D); the draft ring keeps
-            < min(m+a+1, its next position); hidden ← the target's rows m … m+D; m ← m+a+1
+            < min(m+a+1, its next position) ("keep"), or < min(m+1, …) ("recompute": the next
+            depth 0 rewrites m+1 … m+a+1, c = a+1 rows); hidden ← the target's rows m … m+D;
+            m ← m+a+1
 
 Dimension letters: R rows, Db draft slots, W served width, V vocabulary, H hidden.
 """
@@ -239,7 +242,7 @@ class RoundProgram:
         written = m + n_t
         for layer in caches.target:
             ops.rollback(layer, keep, written)
-        keep_d = torch.minimum(keep, nxt)
+        keep_d = torch.minimum(m + go if self.e.cfg.draft.recompute_settled else keep, nxt)
         ops.rollback(caches.draft, keep_d, nxt)
         st.draft_next.copy_(torch.where(live, keep_d, st.draft_next))
         st.hidden.copy_(torch.where(live, hidden, st.hidden))

@@ -163,12 +163,12 @@ def from_checkpoint(ckpt: Checkpoint, device, max_positions: int | None = None) 
         )
     dev = torch.device(device)
     ld = _Loader(ckpt, dev)
-    ropes: dict[float, RopeTable] = {}
+    ropes: dict[tuple[float, int], RopeTable] = {}
 
-    def rope(theta: float) -> RopeTable:
-        if theta not in ropes:
-            ropes[theta] = rope_table(cap, t.rotary_dim, theta, dev)
-        return ropes[theta]
+    def rope(theta: float, offset: int = 0) -> RopeTable:
+        if (theta, offset) not in ropes:
+            ropes[theta, offset] = rope_table(cap, t.rotary_dim, theta, dev, offset)
+        return ropes[theta, offset]
 
     layers = []
     for i, kind in enumerate(t.layer_types):
@@ -191,7 +191,7 @@ def from_checkpoint(ckpt: Checkpoint, device, max_positions: int | None = None) 
         ld.plain(p + "hnorm.weight"), ld.plain(p + "eh_proj.weight"), ld.attn(p + "layer."),
         ld.plain(p + "layer.ffn_out_norm.weight"), ld.moe(p + "layer.", d.num_experts_per_tok),
         ld.plain(p + "norm.weight"), ld.plain(p + "lm_head.weight"), d.sliding_window,
-        rope(d.swa_rope_theta),
+        rope(d.swa_rope_theta, d.draft_position_offset),
     )
     lm_head = ld.fp8("lm_head.weight") if t.quantize_lm_head else ld.plain("lm_head.weight")
     return Weights(cfg, dev, cap, ld.plain("model.embed_tokens.weight"), tuple(layers),

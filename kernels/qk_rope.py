@@ -39,23 +39,26 @@ from reference import ops
 
 @dataclass(frozen=True)
 class RopeTable:
-    cos_sin: torch.Tensor  # [P, rot] fp32: [:, :rot/2] cos, [:, rot/2:] sin at position p
+    cos_sin: torch.Tensor  # [P, rot] fp32: [:, :rot/2] cos, [:, rot/2:] sin of angle p + offset
     rotary_dim: int
     theta: float
+    offset: int = 0  # row p rotates by position p + offset (the draft's position convention)
 
     @property
     def positions(self) -> int:
         return self.cos_sin.shape[0]
 
 
-def rope_table(max_positions: int, rotary_dim: int, theta: float, device) -> RopeTable:
-    """cos / sin of every position < max_positions, exactly reference.ops.rope_cos_sin's values."""
+def rope_table(max_positions: int, rotary_dim: int, theta: float, device,
+               offset: int = 0) -> RopeTable:
+    """Row p: cos / sin of position p + offset for every p < max_positions, exactly
+    reference.ops.rope_cos_sin's values."""
     if max_positions < 1:
         raise ValueError(f"rope_table: max_positions must be >= 1, got {max_positions}")
     if rotary_dim < 2 or rotary_dim % 2:
         raise ValueError(f"rope_table: rotary_dim must be even and >= 2, got {rotary_dim}")
-    cos, sin = ops.rope_cos_sin(torch.arange(max_positions), rotary_dim, theta)  # [P, rot/2]
-    return RopeTable(torch.cat([cos, sin], dim=1).to(device), rotary_dim, float(theta))
+    cos, sin = ops.rope_cos_sin(torch.arange(max_positions) + offset, rotary_dim, theta)
+    return RopeTable(torch.cat([cos, sin], dim=1).to(device), rotary_dim, float(theta), offset)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,13 @@ a context manager that restores on exit; iquestrt/ itself is never edited.
     round's RoPE angles use the unsettled position (m + d + 1 instead of m + a + 1): every
     position given to TwinOps.qk_rope is shifted by the d − a rejected rows, while cache slots
     and masks use the right positions. The K rows written then carry the wrong rotation.
+  draft_rope_offset_ignored → gate 4b (its public-convention run). The twins' qk_rope rotates
+    draft rows at their own position, ignoring the table's draft_position_offset −1: the draft
+    K rows the runtime writes carry the mini's rotation, not the configured one.
+  draft_kv_settle_ignored → gate 4b (its public-convention run). DraftConfig.recompute_settled
+    reads False for everyone: reference and runtime both keep the accepted deeper rows under
+    draft_kv_settle "recompute", so they agree with each other; only the check against a
+    fresh draft prefill over the committed tokens can see it.
   padding_row_leaks_into_live_rows → gate 3c (padded vs exact width). Layer 0's attention tail
     averages the last live row's residual with the next row's — a padding row whenever the
     buffer is wider than the live rows (padding embeds token 0, so the leak is finite and no
@@ -22,6 +29,7 @@ a context manager that restores on exit; iquestrt/ itself is never edited.
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 
 import torch
@@ -30,6 +38,7 @@ from iquestrt.ops import TwinOps
 from iquestrt.round import RoundProgram
 from negative_controls.control import Control, gated, patched
 from qualification import acceptance_gate, engine_cache_gate, width_gate
+from reference.config import DraftConfig
 
 
 @contextmanager
@@ -98,6 +107,24 @@ def stale_rope_position_after_rollback():
 
 
 @contextmanager
+def draft_rope_offset_ignored():
+    real = TwinOps.qk_rope
+
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, *rest, **kw):
+        return real(self, parts, q_norm, k_norm, positions, dataclasses.replace(table, offset=0),
+                    *rest, **kw)
+
+    with patched(TwinOps, qk_rope=qk_rope):
+        yield
+
+
+@contextmanager
+def draft_kv_settle_ignored():
+    with patched(DraftConfig, recompute_settled=property(lambda self: False)):
+        yield
+
+
+@contextmanager
 def padding_row_leaks_into_live_rows():
     real = TwinOps.attn_tail
 
@@ -134,6 +161,20 @@ CONTROLS = (
         "after a round with rejections, the next round's RoPE positions come from the unsettled "
         "m + d + 1 instead of m + a + 1 (slots and masks right)",
         gated(engine_cache_gate.run, stale_rope_position_after_rollback),
+    ),
+    Control(
+        "draft_rope_offset_ignored",
+        "4b engine cache settlement",
+        "the runtime rotates draft rows at their own position, ignoring "
+        "draft_position_offset -1",
+        gated(engine_cache_gate.run, draft_rope_offset_ignored),
+    ),
+    Control(
+        "draft_kv_settle_ignored",
+        "4b engine cache settlement",
+        "draft_kv_settle 'recompute' is ignored by runtime and reference alike: both keep the "
+        "accepted deeper draft rows",
+        gated(engine_cache_gate.run, draft_kv_settle_ignored),
     ),
     Control(
         "padding_row_leaks_into_live_rows",

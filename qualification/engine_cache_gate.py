@@ -17,11 +17,19 @@ Per round: committed lengths (target, draft) equal; then for each target layer a
 Slots whose positions rejected rows overwrote in a ring read EMPTY: those positions are older
 than any future window (iquestrt/cache.py), so (3) does not ask for them.
 
+Both draft conventions run (reference/config.py DraftConfig): the mini's own (RoPE at the
+token's position, accepted deeper rows kept) and the public integrations' (RoPE at the hidden
+state's position, accepted rows recomputed from the target's hidden states by the next depth
+0), the latter on the same weights — what a checkpoint with the public config runs. In the
+"recompute" run the draft cache must also hold, at every committed position, exactly the row
+a draft prefill over the committed tokens and target hidden states would write.
+
 Dimension letters: C slots, Hkv kv heads, D head dim.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +48,8 @@ class EngineCacheGateConfig:
     depth: int = 3
     seed: int = 1
     kind: str = "completion"  # the request kind whose median prompt is used
+    # (draft_position_offset, draft_kv_settle): the mini's own, then the public integrations'
+    conventions: tuple[tuple[int, str], ...] = ((0, "keep"), (-1, "recompute"))
 
 
 def _held(layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -100,16 +110,51 @@ def reference_snapshots(model: ReferenceModel, req: GenerationRequest, depth: in
     return res, snaps
 
 
+def with_conventions(ckpt, offset: int, settle: str):
+    """The checkpoint's weights under another draft convention."""
+    draft = dataclasses.replace(ckpt.cfg.draft, draft_position_offset=offset,
+                                draft_kv_settle=settle)
+    return dataclasses.replace(ckpt, cfg=dataclasses.replace(ckpt.cfg, draft=draft))
+
+
 def run(g: EngineCacheGateConfig | None = None) -> tuple[bool, str, list[str]]:
     g = g or EngineCacheGateConfig()
-    ckpt = mini_engine.load_mini()
+    base = mini_engine.load_mini()
+    ev, failed = [], []
+    for offset, settle in g.conventions:
+        c_ok, c_ev = run_convention(g, with_conventions(base, offset, settle))
+        label = f"offset {offset:+d}, {settle}"
+        failed += [] if c_ok else [label]
+        ev += [f"{label}: {e}" for e in c_ev]
+    if failed:  # the failing conventions first
+        ev = [f"FAILS under {' and '.join(failed)}"] + sorted(
+            ev, key=lambda e: not e.startswith(tuple(failed)))
+    return not failed, "exact", ev
+
+
+def recomputed_problems(ckpt, final_d, tokens: list[int], target_hidden) -> list[str]:
+    """"recompute": every committed draft row equals a fresh draft prefill's row at that position
+    (token p, the target's hidden state of p − 1), K and V bit for bit."""
+    model = ReferenceModel(ckpt.cfg, ckpt.dequantized(), "matched")
+    n = final_d.next_position
+    fresh = model.new_draft_cache()
+    pos = torch.arange(fresh.next_position, n)
+    model.draft(torch.tensor(tokens)[pos], target_hidden[pos - 1], pos, fresh)
+    same_k = (fresh.k[0] == final_d.k[0]).flatten(1).all(1)
+    same_v = (fresh.v[0] == final_d.v[0]).flatten(1).all(1)
+    bad = pos[~(same_k & same_v)].tolist()
+    return [f"draft rows at positions {bad[:5]} differ from a prefill over the committed "
+            f"tokens ({len(bad)} of {len(pos)})"] if bad else []
+
+
+def run_convention(g: EngineCacheGateConfig, ckpt) -> tuple[bool, list[str]]:
     (prompt,) = mini_engine.prompts(g.prompt_tokens, kinds=(g.kind,))
     req = GenerationRequest(prompt.ids, g.new_tokens, mini_engine.SAMPLING, g.seed)
     eng = mini_engine.engine(ckpt, g.depth)
     ours = []
     res = eng.generate(req, on_round=lambda rec: ours.append(eng.session.caches.clone()))
-    ref, theirs = reference_snapshots(ReferenceModel(ckpt.cfg, ckpt.dequantized(), "matched"),
-                                      req, g.depth)
+    ref_model = ReferenceModel(ckpt.cfg, ckpt.dequantized(), "matched")
+    ref, theirs = reference_snapshots(ref_model, req, g.depth)
     ev, first_bad = [], None
     for i, (c, (t, d)) in enumerate(zip(ours, theirs, strict=False)):
         probs = settlement_problems(c, t, d)
@@ -122,6 +167,12 @@ def run(g: EngineCacheGateConfig | None = None) -> tuple[bool, str, list[str]]:
     if res.tokens != ref.tokens:
         flip = mini_engine.first_difference(res.tokens, ref.tokens)
         ev.append(f"tokens differ from the matched reference (first at token {flip})")
+    # the convention by its config value: the check must not rest on the code it checks
+    recompute = ckpt.cfg.draft.draft_kv_settle == "recompute"
+    if recompute and theirs:
+        seq = list(prompt.ids) + ref.tokens
+        hidden = ref_model.target(torch.tensor(seq), torch.arange(len(seq))).hidden
+        ev += recomputed_problems(ckpt, theirs[-1][1], seq, hidden)
     ok = not ev
     slots = eng.rcfg.target_ring_slots(eng.cfg)
     rejected = sum(len(r.drafts) - r.accepted for r in res.rounds)
@@ -129,5 +180,6 @@ def run(g: EngineCacheGateConfig | None = None) -> tuple[bool, str, list[str]]:
     ev.append(f"{len(ours)} rounds of {prompt.id} ({g.prompt_tokens} prompt tokens): accepted "
               f"{sorted({r.accepted for r in res.rounds})}, {rejected} drafts rejected, "
               f"{wrapped} rounds write past the target ring's {slots} slots"
-              + ("; after every round the caches equal the never-rejected caches" if ok else ""))
-    return ok, "exact", ev
+              + ("; after every round the caches equal the never-rejected caches" if ok else "")
+              + ("; the committed draft rows equal a prefill's" if ok and recompute else ""))
+    return ok, ev

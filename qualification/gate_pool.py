@@ -36,7 +36,7 @@ TAIL_LINES = 12  # output lines a failed process's result keeps
 COST_S = {"lockstep": 130, "distribution": 100, "runtime": 80, "acceptance": 42, "seed_width": 35,
           "sampler": 33, "distribution_e2e": 29, "schedule": 27, "depth_policy": 55,
           "tp_sampling": 22, "rings": 17, "goldens": 17, "reference_consistency": 15,
-          "reuse": 13, "engine_caches": 12}
+          "reuse": 13, "engine_caches": 30}
 
 
 def default_jobs() -> int:

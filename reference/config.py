@@ -60,6 +60,9 @@ class SamplingDefaults:
         _require(0.0 < self.top_p <= 1.0, f"{where}.top_p", f"must be in (0, 1], got {self.top_p}")
 
 
+DRAFT_KV_SETTLE = ("recompute", "keep")
+
+
 @dataclass(frozen=True)
 class DraftConfig:
     """The MTP draft block (`mtp/config.json`): one physical layer applied recursively."""
@@ -73,6 +76,13 @@ class DraftConfig:
     num_experts: int = 256
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 1536
+    # Draft conventions (docs/public_conventions.md); neither is a public field, and the
+    # defaults are the public integrations'. A row holds (token at p, hidden of p − 1).
+    draft_position_offset: int = -1  # its RoPE position is p + this: −1 that of the hidden state
+    # after verification accepted a of the round's drafts (round at m): "recompute" keeps the
+    # draft rows < m + 1 and the next depth 0 rewrites m + 1 … m + a + 1 from the target's hidden
+    # states; "keep" keeps the rows < m + a + 1 the depths wrote from the draft's own hidden
+    draft_kv_settle: str = "recompute"
 
     def validate(self, target: TargetConfig) -> None:
         w = "draft"
@@ -91,6 +101,16 @@ class DraftConfig:
             f"must be in [1, num_experts={self.num_experts}]",
         )
         _require(self.moe_intermediate_size >= 1, f"{w}.moe_intermediate_size", "must be >= 1")
+        _require(self.draft_position_offset in (0, -1), f"{w}.draft_position_offset",
+                 f"must be 0 (the token's position) or -1 (the hidden state's), got "
+                 f"{self.draft_position_offset!r}")
+        _require(self.draft_kv_settle in DRAFT_KV_SETTLE, f"{w}.draft_kv_settle",
+                 f"must be one of {', '.join(DRAFT_KV_SETTLE)}, got {self.draft_kv_settle!r}")
+
+    @property
+    def recompute_settled(self) -> bool:
+        """The next depth 0 recomputes the accepted rows from the target's hidden states."""
+        return self.draft_kv_settle == "recompute"
 
 
 @dataclass(frozen=True)
@@ -842,7 +862,8 @@ def preset(name: str) -> ModelConfig:
                 max_position_embeddings=4096,
             ),
             draft=DraftConfig(
-                sliding_window=8, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64
+                sliding_window=8, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
+                draft_position_offset=0, draft_kv_settle="keep",
             ),
         )
     if name == "mini":
@@ -869,7 +890,8 @@ def preset(name: str) -> ModelConfig:
                 quantize_lm_head=True,
             ),
             draft=DraftConfig(
-                sliding_window=64, num_experts=24, num_experts_per_tok=4, moe_intermediate_size=128
+                sliding_window=64, num_experts=24, num_experts_per_tok=4,
+                moe_intermediate_size=128, draft_position_offset=0, draft_kv_settle="keep",
             ),
         )
     raise ConfigError(f"preset: unknown preset {name!r}; choose one of {PRESETS}")

@@ -88,7 +88,8 @@ def qk_rope_ref(
     """Twin of kernels.qk_rope.qk_rope → (q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) bf16.
 
     qkv [R, W] bf16 or [S, R, W] FP32 partials (reduced as reduce_splits_ref, rounded to bf16).
-    RoPE is ops.rope itself (cos / sin recomputed from table.theta, not read from the table);
+    RoPE is ops.rope itself (cos / sin of position + table.offset recomputed from table.theta,
+    not read from the table);
     rows whose position is outside the table's [0, P) get NaN q and k, as in the kernel."""
     n = _n_live(n_live, qkv.shape[-2])
     flat = reduce_splits_ref(qkv[:, :n]) if qkv.dim() == 3 else qkv[:n].cpu().to(torch.bfloat16)
@@ -102,7 +103,7 @@ def qk_rope_ref(
         k = head_rms_norm_ref(k, k_norm_weight.cpu(), eps)
     pos = positions[:n].cpu().long()
     bad = (pos < 0) | (pos >= table.positions)
-    q = ops.rope(q, pos.clamp(min=0), table.rotary_dim, table.theta)
-    k = ops.rope(k, pos.clamp(min=0), table.rotary_dim, table.theta)
+    q = ops.rope(q, pos.clamp(min=0) + table.offset, table.rotary_dim, table.theta)
+    k = ops.rope(k, pos.clamp(min=0) + table.offset, table.rotary_dim, table.theta)
     q[bad], k[bad] = float("nan"), float("nan")
     return q, k, v.clone()

@@ -213,6 +213,7 @@ class ReferenceModel:
         layer: int,
         window: int | None,
         theta: float,
+        rope_offset: int = 0,  # the draft's RoPE position is its row's position + this
     ) -> torch.Tensor:
         t = self.cfg.target
         p, act = self.p, self.precision.act_dtype
@@ -224,8 +225,8 @@ class ReferenceModel:
         if t.qk_norm:
             q = self._head_norm(q, pre + "self_attn.q_norm.weight")
             k = self._head_norm(k, pre + "self_attn.k_norm.weight")
-        q = ops.rope(q, positions, t.rotary_dim, theta)
-        k = ops.rope(k, positions, t.rotary_dim, theta)
+        q = ops.rope(q, positions + rope_offset, t.rotary_dim, theta)
+        k = ops.rope(k, positions + rope_offset, t.rotary_dim, theta)
         if cache is None:
             keys, values, k_pos = k, v, positions
         else:
@@ -333,7 +334,8 @@ class ReferenceModel:
         x = ops.linear(eh, p[pre + "eh_proj.weight"])  # [R, H]
         lp = pre + "layer."
         xn = ops.rms_norm(x, p[lp + "attention_norm.weight"], eps)
-        a = self._attn(lp, xn, positions, cache, 0, d.sliding_window, d.swa_rope_theta)
+        a = self._attn(lp, xn, positions, cache, 0, d.sliding_window, d.swa_rope_theta,
+                       d.draft_position_offset)
         an = ops.rms_norm(a, p[lp + "attn_out_norm.weight"], eps)
         h = x.float() + an.float()  # FP32 residual
         f_in = ops.rms_norm(h, p[lp + "feed_forward_norm.weight"], eps, out_dtype=act)

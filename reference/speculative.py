@@ -12,9 +12,13 @@ x_m (position m) is not yet in any target cache. A round:
      position m+j+1.
   3. rejection.verify accepts a prefix of a drafts and emits a replacement (first rejection) or
      the bonus (all accepted, from row D).
-  4. Settle: the target keeps positions ≤ m+a (x_m and the accepted drafts); the draft keeps
-     its rows at positions ≤ m+a (rows written at depths whose token was accepted). When all D
-     drafts are accepted, position m+D has no draft row yet: the next depth 0 catches it up.
+  4. Settle: the target keeps positions ≤ m+a (x_m and the accepted drafts). The draft
+     (DraftConfig.draft_kv_settle): "keep" keeps its rows at positions ≤ m+a (rows written at
+     depths whose token was accepted; when all D drafts are accepted, position m+D has no draft
+     row yet: the next depth 0 catches it up); "recompute" keeps positions ≤ m, and the next
+     depth 0 rewrites m+1 … m+a+1 with the target's hidden states (a+1 rows).
+A draft row's RoPE position is its position + DraftConfig.draft_position_offset (0, or −1: that
+of its hidden state); windows and cache positions are the row positions above.
 Depth 0 (no speculation) is plain target sampling with TARGET_SAMPLE at every position.
 """
 
@@ -180,9 +184,10 @@ class ReferenceGenerator:
             )
             a = res.n_accepted
             emitted = [x.token for x in drafts[:a]] + [res.next_token]
-            # settle: keep x_m and the accepted drafts (positions ≤ m+a) in both caches
+            # settle: the target keeps x_m and the accepted drafts (positions ≤ m+a)
             tcache.truncate(m + a + 1)
-            dcache.truncate(min(m + a + 1, dcache.next_position))
+            keep_d = m + 1 if m_.cfg.draft.recompute_settled else m + a + 1
+            dcache.truncate(min(keep_d, dcache.next_position))
             hidden = {m + j: vout.hidden[j] for j in range(a + 1)}
             rec = RoundRecord(m, drafts, a, emitted, res.bonus)
             done = emit(result, req, emitted)

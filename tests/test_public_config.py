@@ -188,6 +188,8 @@ def test_public_checkpoint_loads_field_by_field(public_ckpt):
     assert d.num_experts == 16
     assert d.num_experts_per_tok == 4
     assert d.moe_intermediate_size == 64
+    # no public field names the draft conventions: the public integrations' are the default
+    assert (d.draft_position_offset, d.draft_kv_settle) == (-1, "recompute")
     assert (s.temperature, s.top_k, s.top_p) == (0.6, 30, 0.85)  # generation_config.json
     assert ck.cfg.eos_token_ids == (5, 11, 2)  # config.json's, then generation_config.json's
     assert ck.cfg.name == "custom"
@@ -217,6 +219,9 @@ def test_shipped_mini_loads_unchanged():
     assert (t.vocab_size, t.hidden_size, t.sliding_window, t.quantize_lm_head) == (
         8192, 128, 128, True)
     assert (d.sliding_window, d.moe_intermediate_size, d.num_experts) == (64, 128, 24)
+    # how the mini was trained, named in its own mtp/config.json
+    assert (d.draft_position_offset, d.draft_kv_settle) == (0, "keep")
+    assert '"draft_kv_settle": "keep"' in before["mtp/config.json"].decode()
     assert ck.cfg.eos_token_ids == ()
     assert ck.cfg.name == "mini"
     assert {p: (MINI / p).read_bytes() for p in before} == before
@@ -353,6 +358,16 @@ def test_draft_copies_of_target_fields_must_match(tmp_path, draft, field):
     with pytest.raises(ConfigError, match="disagrees with config.json") as e:
         _load(tmp_path, PUBLIC_TARGET, draft)
     assert f"{tmp_path}: mtp/config.json: field {field}" in str(e.value)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("draft_position_offset", 1, "must be 0 .* or -1"),
+    ("draft_position_offset", "-1", "draft_position_offset"),
+    ("draft_kv_settle", "rewrite", "must be one of recompute, keep"),
+])
+def test_draft_conventions_outside_their_values_are_errors(tmp_path, field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        _load(tmp_path, PUBLIC_TARGET, {**PUBLIC_DRAFT, field: value})
 
 
 def test_public_pattern_defaults_fill_missing_parts(tmp_path):

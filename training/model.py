@@ -185,7 +185,8 @@ class TrainModel(nn.Module):
             raise ValueError(f"draft: depths must be in [1, T−1 = {n - 1}], got {depths}")
         pre, lp = DRAFT_PREFIX, DRAFT_PREFIX + "layer."
         pos = torch.arange(n)
-        cos, sin = L.rope_table(pos, t.rotary_dim, d.swa_rope_theta, dev)
+        # RoPE at the row's position + the draft's convention (the shipped mini: + 0)
+        cos, sin = L.rope_table(pos + d.draft_position_offset, t.rotary_dim, d.swa_rope_theta, dev)
         dist = (pos[:, None] - pos[None, :]).to(dev)  # [T, T] query minus key position
         in_window = visible(pos, pos, d.sliding_window).to(dev)
         e = L.rms_norm(p[pre + "embed_tokens.weight"][tokens], p[pre + "enorm.weight"], eps)

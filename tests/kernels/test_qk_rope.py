@@ -12,6 +12,7 @@ positions, rot rotary dims.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -152,6 +153,26 @@ def test_qk_rope_matches_twin_bit_exactly(case, device):
         print(f"\n  [{case.name}] {name} vs model._attn: {m}, "
               f"{int((bits(a) != bits(b)).sum())} of {a.numel()} differ")
     assert torch.equal(bits(got[2]), bits(ref[2])), "v is the projection's bf16 value"
+
+
+@pytest.mark.parametrize("offset", [-1, 0])
+def test_a_shifted_table_rotates_row_p_at_p_plus_offset(offset, device):
+    """The draft's table (draft_position_offset −1): row p holds the angle of p − 1. The kernel
+    reads the table, the twin recomputes from (position + table.offset): bit-exact, and both
+    equal an unshifted table at the shifted positions, and the model path there."""
+    case = CASES[0]
+    inp = make_inputs(case, 97)
+    shifted = rope_table(case.table_positions, case.rot, case.theta, device, offset)
+    assert shifted.offset == offset
+    inp = dataclasses.replace(inp, pos=inp.pos.clamp(min=1))  # a draft row is never at 0
+    got = run_kernel(case, inp, shifted, device)
+    assert_bit_exact(got, twin(case, inp, shifted), f"offset {offset}")
+    plain = rope_table(case.table_positions, case.rot, case.theta, device)
+    moved = dataclasses.replace(inp, pos=inp.pos + offset)
+    assert_bit_exact(got, run_kernel(case, moved, plain, device), f"offset {offset} vs moved")
+    if offset:
+        assert not all(torch.equal(bits(a), bits(b)) for a, b in
+                       zip(got[:2], run_kernel(case, inp, plain, device)[:2], strict=True))
 
 
 def test_twin_vs_model_path_sweep():
