@@ -141,6 +141,13 @@ def padding_row_leaks_into_live_rows():
 
 
 
+def _public_conventions_only():
+    """Gate 4b's run under the public conventions: the one both draft-convention mutants reach
+    (the mini's own run uses offset 0 and "keep", where neither mutation changes anything)."""
+    public = engine_cache_gate.EngineCacheGateConfig(conventions=((-1, "recompute"),))
+    return engine_cache_gate.run(public)
+
+
 CONTROLS = (
     Control(
         "draft_depth_state_not_advanced",
@@ -167,14 +174,14 @@ CONTROLS = (
         "4b engine cache settlement",
         "the runtime rotates draft rows at their own position, ignoring "
         "draft_position_offset -1",
-        gated(engine_cache_gate.run, draft_rope_offset_ignored),
+        gated(_public_conventions_only, draft_rope_offset_ignored),
     ),
     Control(
         "draft_kv_settle_ignored",
         "4b engine cache settlement",
         "draft_kv_settle 'recompute' is ignored by runtime and reference alike: both keep the "
         "accepted deeper draft rows",
-        gated(engine_cache_gate.run, draft_kv_settle_ignored),
+        gated(_public_conventions_only, draft_kv_settle_ignored),
     ),
     Control(
         "padding_row_leaks_into_live_rows",

@@ -126,9 +126,9 @@ def run(g: EngineCacheGateConfig | None = None) -> tuple[bool, str, list[str]]:
         label = f"offset {offset:+d}, {settle}"
         failed += [] if c_ok else [label]
         ev += [f"{label}: {e}" for e in c_ev]
-    if failed:  # the failing conventions first
-        ev = [f"FAILS under {' and '.join(failed)}"] + sorted(
-            ev, key=lambda e: not e.startswith(tuple(failed)))
+    if failed:  # the failing conventions first, headed by the first problem
+        ev = sorted(ev, key=lambda e: not e.startswith(tuple(failed)))
+        ev = [f"FAILS under {' and '.join(failed)} — {ev[0]}"] + ev[1:]
     return not failed, "exact", ev
 
 

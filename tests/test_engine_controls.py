@@ -16,7 +16,7 @@ from negative_controls import engine_controls
 from negative_controls import run as nc
 from qualification import acceptance_gate as ag
 from qualification import mini_engine
-from reference.config import SamplingDefaults
+from reference.config import DraftConfig, SamplingDefaults
 from reference.depth import DraftInfo
 from reference.speculative import GenerationRequest, RoundRecord
 
@@ -152,15 +152,20 @@ def test_update_needs_a_reason(tmp_path, capsys):
 
 
 def test_patches_are_undone_when_the_gate_raises():
-    before = (RoundProgram.__call__, TwinOps.rollback, TwinOps.qk_rope, TwinOps.attn_tail)
+    def now():
+        return (RoundProgram.__call__, TwinOps.rollback, TwinOps.qk_rope, TwinOps.attn_tail,
+                DraftConfig.recompute_settled)
+
+    before = now()
     for patch in (engine_controls.draft_depth_state_not_advanced(),
                   engine_controls.rollback_skipped_after_ring_wrap(),
                   engine_controls.stale_rope_position_after_rollback(),
+                  engine_controls.draft_rope_offset_ignored(),
+                  engine_controls.draft_kv_settle_ignored(),
                   engine_controls.padding_row_leaks_into_live_rows()):
         with pytest.raises(RuntimeError, match="gate crashed"), patch:
             raise RuntimeError("gate crashed")
-    assert before == (RoundProgram.__call__, TwinOps.rollback, TwinOps.qk_rope,
-                      TwinOps.attn_tail)
+    assert before == now()
 
 
 def test_draft_state_mutant_lowers_acceptance_and_keeps_greedy_tokens():
@@ -189,4 +194,7 @@ def test_engine_controls_are_caught_and_the_unmutated_engine_passes(capsys):
     assert "below floor" in rows["draft_depth_state_not_advanced"]  # a depth's acceptance
     assert "uncommitted positions" in rows["rollback_skipped_after_ring_wrap"]
     assert "K/V differ" in rows["stale_rope_position_after_rollback"]
+    assert "offset -1, recompute" in rows["draft_rope_offset_ignored"]
+    assert "K/V differ" in rows["draft_rope_offset_ignored"]
+    assert "differ from a prefill" in rows["draft_kv_settle_ignored"]
     assert "prefill logits differ" in rows["padding_row_leaks_into_live_rows"]

@@ -106,3 +106,42 @@ def test_report_acceptance_runs_on_the_shipped_defaults(installed):
     assert (out / "acceptance.nc").is_file() and (out / "summary.md").is_file()
     summary = (out / "summary.md").read_text()
     assert "_shipped" in summary and "mini" in summary, summary[:400]
+
+
+@pytest.mark.parametrize("words", [[], ["make-checkpoint"], ["convert"], ["generate"],
+                                   ["report"], ["report", "acceptance"], ["experiment"],
+                                   ["serve"], ["bench"], ["bench", "round"]])
+def test_every_subcommand_helps_from_another_directory(installed, words):
+    py, venv, work, env, site = installed
+    out = _run([str(venv / "bin" / "iquestrt"), *words, "--help"], work, env).stdout
+    assert out.startswith("usage: iquestrt" + "".join(" " + w for w in words)), out[:200]
+
+
+def test_make_checkpoint_and_convert_from_the_wheel(installed):
+    py, venv, work, env, site = installed
+    exe = str(venv / "bin" / "iquestrt")
+    _run([exe, "make-checkpoint", "--preset", "tiny", "--format", "bf16", "--out", "ck"],
+         work, env)
+    _run([exe, "convert", "--checkpoint", "ck", "--out", "ck8", "--quantize"], work, env)
+    out = _run([exe, "generate", "--checkpoint", "ck8", "--prompt-ids", "1,2,3",
+                "--max-new-tokens", "4", "--quiet"], work, env).stdout.splitlines()
+    assert len(out[0].split()) == 4, out
+
+
+def test_serve_from_the_wheel(installed):
+    """The server process started by the venv's interpreter, from another directory: the
+    shipped model is found, a completion is served."""
+    import httpx
+
+    from iquestrt.server.spawn import spawn
+
+    py, venv, work, env, site = installed
+    served = spawn(["--ops", "twins", "--max-model-len", "128", "--model-name", "mini"],
+                   work / "serve.log", TIMEOUT_S, env=env, cwd=work, python=py)
+    try:
+        assert httpx.get(served.base + "/v1/models").json()["data"][0]["id"] == "mini"
+        r = httpx.post(served.base + "/v1/completions", timeout=TIMEOUT_S,
+                       json={"prompt": "def add(a, b):", "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+    finally:
+        served.stop()

@@ -53,7 +53,8 @@ class RoundShape:
     depth: float  # draft depths run (mean over rounds for adaptive)
     context: int  # positions in the cache before the round (m)
     distinct: float  # mean distinct experts per target MoE layer over the timed rounds
-    draft_rows0: float = 1.0  # depth 0's catch-up rows (1, or 2 after a fully accepted round)
+    # depth 0's rows: "keep" 1, or 2 after a fully accepted round; "recompute" a + 1
+    draft_rows0: float = 1.0
     peers: int = 7  # emulated peer partial buffers per tail
 
 

@@ -91,7 +91,12 @@ def round_shape(eng: RankEngine, context: int, peers: int) -> RoundShape:
     for i, n in enumerate(rows):
         ids = table[(s0 + i) % table.shape[0]][None]  # [1, L, R, K]
         distinct.append(float(distinct_per_layer(ids, n, eng.cfg.target.num_experts).mean()))
-    c0 = [1.0] + [2.0 if r.accepted == len(r.drafts) and r.drafts else 1.0 for r in recs[:-1]]
+    # recompute: the next depth 0 rewrites the accepted rows and the new token
+    if eng.cfg.draft.draft_kv_settle == "recompute":
+        c0 = [1.0] + [float(r.accepted + 1) if r.drafts else 1.0 for r in recs[:-1]]
+    else:
+        c0 = [1.0] + [2.0 if r.accepted == len(r.drafts) and r.drafts else 1.0
+                      for r in recs[:-1]]
     return RoundShape(rows=statistics.mean(rows), depth=statistics.mean(n - 1 for n in rows),
                       context=context, distinct=statistics.mean(distinct),
                       draft_rows0=statistics.mean(c0), peers=peers)

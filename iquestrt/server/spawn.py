@@ -35,11 +35,13 @@ class Served:
 
 
 def spawn(args: list[str], log: Path, start_s: float, env: dict | None = None,
-          cwd: Path | None = None) -> Served:
-    """`python -m iquestrt.cli serve --port P ARGS…` with stdout+stderr in `log`; RuntimeError
-    with the log's tail when it exits or is not healthy within start_s seconds."""
+          cwd: Path | None = None, python: str | Path | None = None) -> Served:
+    """`PYTHON -m iquestrt.cli serve --port P ARGS…` (default: this interpreter) with
+    stdout+stderr in `log`; RuntimeError with the log's tail when it exits or is not healthy
+    within start_s seconds."""
     port = free_port()
-    cmd = [sys.executable, "-m", "iquestrt.cli", "serve", "--port", str(port), *args]
+    cmd = [str(python or sys.executable), "-m", "iquestrt.cli", "serve", "--port", str(port),
+           *args]
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd)
     served = Served(f"http://127.0.0.1:{port}", proc, Path(log))
