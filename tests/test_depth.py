@@ -19,7 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.config import SamplingDefaults
+from reference.config import DraftConfig, SamplingDefaults
 from reference.depth import (
     AdaptiveDepth,
     DraftInfo,
@@ -192,6 +192,9 @@ class _T:
 @dataclass(frozen=True)
 class _Cfg:
     target: _T = _T()
+    # the toy caches' expectations are written for "keep" (tests/test_draft_conventions.py
+    # covers "recompute")
+    draft: DraftConfig = DraftConfig(draft_position_offset=0, draft_kv_settle="keep")
 
 
 class _Toy:

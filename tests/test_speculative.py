@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from reference.config import SamplingDefaults, preset
+from reference.config import DraftConfig, SamplingDefaults, preset
 from reference.depth import FixedDepth
 from reference.model import KVCache, Output, ReferenceModel
 from reference.speculative import GenerationRequest, ReferenceGenerator, generate
@@ -33,6 +33,9 @@ class _T:
 @dataclass(frozen=True)
 class _Cfg:
     target: _T = _T()
+    # the toy caches' expectations are written for "keep" (tests/test_draft_conventions.py
+    # covers "recompute")
+    draft: DraftConfig = DraftConfig(draft_position_offset=0, draft_kv_settle="keep")
 
 
 class MarkovModel:
