@@ -39,10 +39,10 @@ class SamplingParams:
     ids. The seed keys every draw (with position and purpose): same seed → same tokens."""
 
     temperature: float | None = None  # 0 = greedy
-    top_k: int | None = None  # 0 = off (the reference backend only)
+    top_k: int | None = None  # 0 = off (reference backend only); runtime: 1 … 64 unless greedy
     top_p: float | None = None  # 1.0 = off
     max_tokens: int = 16
-    seed: int = 0  # uint64
+    seed: int = 0  # [0, 2^64): the 64-bit Philox key, every bit used by both backends
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 
@@ -56,6 +56,7 @@ class SamplingParams:
                 _typed(name, v, (int, float))
         if self.top_k is not None:
             _typed("top_k", self.top_k, int)
+        _typed("stop_token_ids", self.stop_token_ids, (list, tuple))
         ids = tuple(self.stop_token_ids)
         for i in ids:
             _typed("stop_token_ids", i, int)

@@ -1,12 +1,16 @@
-"""`iquestrt …` commands. Wrong arguments print one line `iquestrt: error: …` and exit 2."""
+"""`iquestrt …` commands. Every failure prints one line `iquestrt: …` (see _fail for the exit
+statuses); the exception families are in iquestrt/errors.py."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
-EXIT_USAGE = 2
+EXIT_FAILED, EXIT_USAGE, EXIT_INTERNAL = 1, 2, 70
+EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 130, 141, 143  # 128 + SIGINT / SIGPIPE / SIGTERM
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,9 +71,13 @@ def _build() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", type=_int_list, help="prompt token ids, e.g. 1,2,3")
     src.add_argument("--prompt", help="prompt text (needs tokenizer.json in the checkpoint)")
     g.add_argument("--max-new-tokens", type=int, required=True, help="token budget (>= 1)")
-    g.add_argument("--seed", type=int, default=0, help="request seed for the counter RNG")
+    g.add_argument("--seed", type=int, default=0,
+                   help="request seed in [0, 2^64): the counter RNG's 64-bit key, every bit used "
+                        "by both backends (default 0)")
     g.add_argument("--temperature", type=float, help="0 = greedy (default: model's)")
-    g.add_argument("--top-k", type=int, help="0 = off (default: model's)")
+    g.add_argument("--top-k", type=int,
+                   help="0 = off (the whole vocabulary: reference backend only); the runtime "
+                        "serves 1 … 64 when temperature > 0 (default: model's)")
     g.add_argument("--top-p", type=float, help="1.0 = off (default: model's)")
     g.add_argument("--stop-ids", type=_int_list, default=[], help="stop token ids, e.g. 0,2 "
                    "(the checkpoint's end-of-sequence ids stop it too)")
@@ -95,7 +103,8 @@ def _build() -> argparse.ArgumentParser:
         "semantics); auto = kernels on a GPU, twins on a CPU",
     )
     g.add_argument(
-        "--ring-pad", type=int, default=64, help="runtime: ring slots beyond each window"
+        "--ring-pad", type=int, default=64,
+        help="runtime: ring slots beyond each window, in [max width - 1, 4096] (default 64)"
     )
     g.add_argument(
         "--draft-depth", default="3",
@@ -173,18 +182,39 @@ def _build() -> argparse.ArgumentParser:
     return p
 
 
+def _checkpoint_output(out: Path, cfg, fmt: str, inputs=()) -> Path:
+    """A new checkpoint folder (iquestrt/outputs.py): new or empty, never an input, with room
+    for the shards."""
+    from iquestrt import outputs
+    from reference.checkpoint_validate import stored_bytes
+
+    spec = outputs.OutputSpec("--out", "config.json", stored_bytes(cfg, fmt) + (16 << 20))
+    return outputs.check(out, spec, inputs=inputs)
+
+
 def _cmd_make_checkpoint(a) -> int:
+    from iquestrt import outputs
+    from reference import config
     from reference.checkpoint import make_synthetic_checkpoint
 
-    cfg = make_synthetic_checkpoint(a.out, a.preset, a.seed, fmt=a.format)
+    real = _checkpoint_output(a.out, config.preset(a.preset), a.format)
+    with outputs.writing(real) as tmp:
+        cfg = make_synthetic_checkpoint(tmp, a.preset, a.seed, fmt=a.format)
     print(f"wrote {cfg.name} checkpoint ({a.format}, seed {a.seed}) to {a.out}")
     return 0
 
 
 def _cmd_convert(a) -> int:
+    from iquestrt import outputs
     from reference.checkpoint import quantize_checkpoint
+    from reference.config import ModelConfig
 
-    quantize_checkpoint(a.checkpoint, a.out)
+    if not a.checkpoint.is_dir():
+        raise FileNotFoundError(f"--checkpoint {a.checkpoint}: no such directory")
+    cfg = ModelConfig.load(a.checkpoint)
+    real = _checkpoint_output(a.out, cfg, "fp8", {"--checkpoint": a.checkpoint})
+    with outputs.writing(real) as tmp:
+        quantize_checkpoint(a.checkpoint, tmp)
     print(f"wrote E4M3 128x128 checkpoint to {a.out}")
     return 0
 
@@ -220,21 +250,60 @@ def _cmd_bench(a) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _build().parse_args(argv)
-    handlers = {
-        "bench": _cmd_bench,
-        "make-checkpoint": _cmd_make_checkpoint,
-        "convert": _cmd_convert,
-        "generate": _cmd_generate,
-        "report": _cmd_report,
-        "experiment": _cmd_experiment,
-        "serve": _cmd_serve,
-    }
     try:
-        return handlers[args.command](args)
-    except (ValueError, FileNotFoundError) as e:  # includes ConfigError and CheckpointError
-        sys.stderr.write(f"iquestrt: error: {e}\n")
+        args = _build().parse_args(argv)
+        return HANDLERS[args.command](args)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 — every failure ends in one line (see _fail)
+        return _fail(e)
+
+
+def _fail(e: BaseException) -> int:
+    """One line on stderr for any failure, and its exit status: 2 bad input (ValueError, a
+    missing file), 1 a fault while running (RuntimeFault, an OS error such as a full or
+    read-only disk), 130 / 143 interrupted, 141 a closed pipe, 70 anything else (an internal
+    error: IQUESTRT_TRACEBACK=1 shows its traceback)."""
+    from iquestrt.errors import RuntimeFault
+    from iquestrt.outputs import Terminated
+
+    def say(line: str) -> None:
+        with contextlib.suppress(OSError):
+            sys.stderr.write(f"iquestrt: {line}\n")
+            sys.stderr.flush()
+
+    if isinstance(e, BrokenPipeError):  # `… | head`: stop quietly, as shell tools do
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+    if isinstance(e, KeyboardInterrupt | Terminated):
+        say("interrupted")
+        return EXIT_TERMINATED if isinstance(e, Terminated) else EXIT_INTERRUPTED
+    if isinstance(e, ValueError | FileNotFoundError | RecursionError):
+        say(f"error: {e}")  # includes ConfigError, CheckpointError, OutputError, SamplingError
         return EXIT_USAGE
+    if isinstance(e, RuntimeFault):
+        say(f"error: {e}")
+        return EXIT_FAILED
+    if isinstance(e, OSError):
+        where = f"{e.filename}: " if e.filename else ""
+        say(f"error: {where}{e.strerror or e}")
+        return EXIT_FAILED
+    if os.environ.get("IQUESTRT_TRACEBACK") == "1":
+        raise e
+    say(f"internal error: {type(e).__name__}: {e} (IQUESTRT_TRACEBACK=1 shows the traceback)")
+    return EXIT_INTERNAL
+
+
+HANDLERS = {
+    "bench": _cmd_bench,
+    "make-checkpoint": _cmd_make_checkpoint,
+    "convert": _cmd_convert,
+    "generate": _cmd_generate,
+    "report": _cmd_report,
+    "experiment": _cmd_experiment,
+    "serve": _cmd_serve,
+}
 
 
 if __name__ == "__main__":

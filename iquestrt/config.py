@@ -28,6 +28,8 @@ def _require(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise RuntimeConfigError(f"RuntimeConfig.{field}: {msg}")
 
+MAX_RING_PAD = 4096  # slots beyond a window: a round needs max_width - 1; 64 is one key tile
+
 
 @dataclass(frozen=True)
 class RuntimeConfig:
@@ -64,10 +66,12 @@ class RuntimeConfig:
             f"must be an int in [1, {KERNEL_WIDTH}] (the kernels' row width), got {self.max_width}",
         )
         _require(
-            isinstance(self.ring_pad, int) and self.ring_pad >= self.max_width - 1,
+            isinstance(self.ring_pad, int)
+            and self.max_width - 1 <= self.ring_pad <= MAX_RING_PAD,
             "ring_pad",
-            f"must be >= max_width - 1 = {self.max_width - 1} (rows written before they are read "
-            f"may not evict a window still needed), got {self.ring_pad}",
+            f"must be in [max_width - 1 = {self.max_width - 1}, {MAX_RING_PAD}] (rows written "
+            f"before they are read may not evict a window still needed; more slots only cost "
+            f"memory), got {self.ring_pad}",
         )
         _require(
             self.max_positions is None or self.max_positions >= 1,

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from iquestrt.errors import RuntimeFault
+
 SPIN_S = 0.05  # wait_bounded spins (no sleep) this long before backing off
 
 COND_SOURCE = rb"""
@@ -41,7 +43,7 @@ extern "C" __global__ void iq_set_if(cudaGraphConditionalHandle handle, const in
 """
 
 
-class DeviceLoopError(RuntimeError):
+class DeviceLoopError(RuntimeFault):
     """A CUDA driver/NVRTC call of the device loop failed; the message names the call."""
 
 

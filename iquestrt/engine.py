@@ -45,6 +45,7 @@ from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
 from iquestrt.device_loop import DeviceTimeout, wait_bounded
 from iquestrt.draft import DraftModel
+from iquestrt.errors import RuntimeFault
 from iquestrt.graphs import RoundPrograms
 from iquestrt.model import TargetModel
 from iquestrt.ops import Live, make_ops
@@ -68,7 +69,7 @@ from reference.speculative import GenerationRequest, GenerationResult, RoundReco
 STREAM_TOKENS = 32  # a streaming request's host reads the log about every this many tokens
 
 
-class EngineError(RuntimeError):
+class EngineError(RuntimeFault):
     """A fault during a request (readiness, non-finite logits, bad token); names where."""
 
 
@@ -369,7 +370,7 @@ class Engine:
         c = st.caches
         c.target_len = m + a + 1
         if d > 0:  # as RoundProgram._settle
-            c.draft_next = min(m + 1 if self.cfg.draft.recompute_settled else m + a + 1, m + d)
+            c.draft_next = min(self.cfg.draft.settled_draft_next(m, a + 1), m + d)
         st.rounds += 1
         rec = RoundRecord(m, drafts, a, emitted, bonus == 1)
         before = len(st.result.tokens)

@@ -9,9 +9,12 @@ from pathlib import Path
 
 
 def checkpoint_tokenizer(checkpoint: Path):
-    """The checkpoint's tokenizer.json (Hugging Face `tokenizers` format), or None."""
-    path = Path(checkpoint) / "tokenizer.json"
-    if not path.is_file():
+    """The checkpoint's tokenizer.json (Hugging Face `tokenizers` format), or None when the
+    checkpoint has none; one that is there but unreadable is refused by name."""
+    from reference.checkpoint_validate import optional_file
+
+    path = optional_file(checkpoint, Path(checkpoint) / "tokenizer.json")
+    if path is None:
         return None
     from tokenizers import Tokenizer
 

@@ -36,7 +36,10 @@ def predictor_dir(checkpoint: str | Path) -> Path:
 
 
 def has_predictors(checkpoint: str | Path) -> bool:
-    return (predictor_dir(checkpoint) / PREDICTOR_FILE).is_file()
+    """Whether the checkpoint ships predictors (one that is there but unreadable is refused)."""
+    from reference.checkpoint_validate import optional_file
+
+    return optional_file(checkpoint, predictor_dir(checkpoint) / PREDICTOR_FILE) is not None
 
 
 @dataclass(frozen=True)

@@ -242,7 +242,7 @@ class RoundProgram:
         written = m + n_t
         for layer in caches.target:
             ops.rollback(layer, keep, written)
-        keep_d = torch.minimum(m + go if self.e.cfg.draft.recompute_settled else keep, nxt)
+        keep_d = torch.minimum(self.e.cfg.draft.settled_draft_next(m, n_em, ran=go), nxt)
         ops.rollback(caches.draft, keep_d, nxt)
         st.draft_next.copy_(torch.where(live, keep_d, st.draft_next))
         st.hidden.copy_(torch.where(live, hidden, st.hidden))

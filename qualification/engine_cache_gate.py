@@ -128,7 +128,8 @@ def run(g: EngineCacheGateConfig | None = None) -> tuple[bool, str, list[str]]:
         ev += [f"{label}: {e}" for e in c_ev]
     if failed:  # the failing conventions first, headed by the first problem
         ev = sorted(ev, key=lambda e: not e.startswith(tuple(failed)))
-        ev = [f"FAILS under {' and '.join(failed)} — {ev[0]}"] + ev[1:]
+        every = " under every convention" if len(failed) == len(g.conventions) else ""
+        ev = [f"FAILS{every} — {ev[0]}"] + ev[1:]
     return not failed, "exact", ev
 
 

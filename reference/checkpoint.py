@@ -29,6 +29,7 @@ from reference.checkpoint_validate import (
     Found,
     check_format,
     check_params,
+    confined,
     expert_names,
     fuse_experts,
     logical_specs,
@@ -191,8 +192,11 @@ def _read_index(folder: Path) -> tuple[str, int, dict[str, str]]:
     return meta["format"], meta["total_size"], wmap
 
 
-def _read_part(folder: Path) -> tuple[str, dict[str, tuple[Path, torch.Tensor]]]:
-    """(format, disk name -> (shard, tensor)) with index and shards cross-checked."""
+def _read_part(folder: Path, root: Path) -> tuple[str, dict[str, tuple[Path, torch.Tensor]]]:
+    """(format, disk name -> (shard, tensor)) with index and shards cross-checked; every file
+    read lies inside `root`, the checkpoint folder."""
+    confined(root, folder)
+    confined(root, folder / INDEX)
     fmt, total_size, wmap = _read_index(folder)
     index = folder / INDEX
     listed = sorted(set(wmap.values()))
@@ -206,6 +210,7 @@ def _read_part(folder: Path) -> tuple[str, dict[str, tuple[Path, torch.Tensor]]]
         first = first_of[file]
         if not path.is_file():
             raise CheckpointError(f"{index}: shard {file} (holding {first}) is missing: {path}")
+        confined(root, path)
         try:
             with safe_open(str(path), framework="pt") as sf:
                 tensors = {k: sf.get_tensor(k) for k in sf.keys()}
@@ -239,10 +244,13 @@ def load_checkpoint(directory: str | Path) -> Checkpoint:
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory")
+    for name in ("config.json", "mtp/config.json", "generation_config.json"):
+        if (directory / name).exists():
+            confined(directory, directory / name)
     cfg = _load_config(directory)
     fmts, found, index_of = {}, {}, {}
     for part, folder in _part_dirs(directory).items():
-        fmts[part], tensors = _read_part(folder)
+        fmts[part], tensors = _read_part(folder, directory)
         index_of[part] = folder / INDEX
         for disk, (path, t) in tensors.items():
             found[part + disk] = Found(path, disk, t)

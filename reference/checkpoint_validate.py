@@ -18,6 +18,8 @@ Dimension letters: E experts, I expert intermediate, H hidden.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +102,40 @@ def stored_layout(cfg: ModelConfig, fmt: str, per_expert: set[str]) -> dict[str,
         if spec.kind == BLOCK and fmt == "fp8":
             out[name + SCALE_SUFFIX] = Stored(spec.scale_shape, torch.float32, scale_of=name)
     return out
+
+
+def confined(root: Path, path: Path) -> Path:
+    """`path`, refused when it (through symlinks) resolves outside the checkpoint folder."""
+    real, base = Path(path).resolve(), Path(root).resolve()
+    if real != base and base not in real.parents:
+        raise CheckpointError(f"{path}: resolves to {real}, outside the checkpoint folder "
+                              f"{base} (copy the file in instead of linking it)")
+    return Path(path)
+
+
+def optional_file(root: Path, path: Path) -> Path | None:
+    """An optional file of a checkpoint (tokenizer, depth policy, prefetch predictor): None when
+    there is no such entry; refused by name when there is one that cannot be read as a file (a
+    folder, a dangling link or a link loop, a link leaving the checkpoint folder)."""
+    path = Path(path)
+    if not path.is_symlink() and not path.exists():
+        return None
+    try:
+        confined(root, path)
+    except (RuntimeError, OSError):  # a symlink loop (how resolve() says so varies by Python)
+        raise CheckpointError(f"{path}: a symlink loop, not a readable file") from None
+    if not path.is_file():
+        what = "a folder" if path.is_dir() else "a dangling symlink or a symlink loop"
+        raise CheckpointError(f"{path}: {what}, not a readable file")
+    if not os.access(path, os.R_OK):
+        raise CheckpointError(f"{path}: not readable (permissions)")
+    return path
+
+
+def stored_bytes(cfg: ModelConfig, fmt: str) -> int:
+    """The tensor bytes of a `fmt` checkpoint of `cfg` (fused experts), before headers."""
+    return sum(math.prod(st.shape) * st.dtype.itemsize
+               for st in stored_layout(cfg, fmt, set()).values())
 
 
 def detect_per_expert(cfg: ModelConfig, names: set[str]) -> set[str]:

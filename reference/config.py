@@ -35,6 +35,10 @@ def layer_pattern(n_repeats: int) -> tuple[str, ...]:
     return (FULL,) + (FULL, SLIDING, SLIDING, SLIDING) * n_repeats + (FULL, FULL, FULL)
 
 
+# RoPE bases: public models use 1e4 … 1e7; above 1e12 every frequency but the first rounds to 0
+MAX_ROPE_THETA = 1e12
+
+
 def _require(cond: bool, where: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{where}: {msg}")
@@ -93,7 +97,8 @@ class DraftConfig:
             f"{w}.sliding_window",
             f"must be in [1, target window {target.sliding_window}), got {self.sliding_window}",
         )
-        _require(self.swa_rope_theta > 0, f"{w}.swa_rope_theta", "must be > 0")
+        _require(1.0 < self.swa_rope_theta <= MAX_ROPE_THETA, f"{w}.swa_rope_theta",
+                 f"must be in (1, {MAX_ROPE_THETA:g}], got {self.swa_rope_theta}")
         _require(self.num_experts >= 1, f"{w}.num_experts", "must be >= 1")
         _require(
             1 <= self.num_experts_per_tok <= self.num_experts,
@@ -111,6 +116,13 @@ class DraftConfig:
     def recompute_settled(self) -> bool:
         """The next depth 0 recomputes the accepted rows from the target's hidden states."""
         return self.draft_kv_settle == "recompute"
+
+    def settled_draft_next(self, m, emitted, ran=1):
+        """The draft cache's next position after a round at m that emitted `emitted` tokens
+        (a + 1), before capping at the rows actually written: "keep" keeps the rows of accepted
+        depths (≤ m+a), "recompute" keeps ≤ m. Ints, or tensors with `ran` ∈ {0, 1} marking
+        the rows that ran a round (emitted is then 0 where ran is 0)."""
+        return m + ran if self.recompute_settled else m + emitted
 
 
 @dataclass(frozen=True)
@@ -192,14 +204,13 @@ class TargetConfig:
             f"{w}.rotary_dim",
             f"must be even and in (0, head_dim={self.head_dim}], got {self.rotary_dim}",
         )
-        _require(self.rope_theta > 0, f"{w}.rope_theta", f"must be > 0, got {self.rope_theta}")
-        _require(
-            self.swa_rope_theta > 0,
-            f"{w}.swa_rope_theta",
-            f"must be > 0, got {self.swa_rope_theta}",
-        )
+        for name in ("rope_theta", "swa_rope_theta"):
+            theta = getattr(self, name)
+            _require(1.0 < theta <= MAX_ROPE_THETA, f"{w}.{name}",
+                     f"must be in (1, {MAX_ROPE_THETA:g}], got {theta}")
         _require(self.sliding_window >= 2, f"{w}.sliding_window", "must be >= 2")
-        _require(self.rms_norm_eps > 0, f"{w}.rms_norm_eps", "must be > 0")
+        _require(0 < self.rms_norm_eps < 1, f"{w}.rms_norm_eps",
+                 f"must be in (0, 1), got {self.rms_norm_eps}")
         _require(self.intermediate_size >= 1, f"{w}.intermediate_size", "must be >= 1")
         _require(self.num_experts >= 1, f"{w}.num_experts", "must be >= 1")
         _require(
@@ -358,11 +369,39 @@ class ModelConfig:
 GENERATION_CONFIG = "generation_config.json"
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a finite number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few KB; bigger is not a config
+
+
 def _read_json_object(path: Path) -> dict[str, Any]:
+    """A config file's JSON object: NaN / Infinity refused, nesting and size bounded."""
     try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        size = path.stat().st_size
+    except OSError as e:
+        raise ConfigError(f"{path}: unreadable: {e.strerror or e}") from None
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size} bytes; a config file is at most {MAX_CONFIG_BYTES}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"), parse_constant=_no_constant,
+                           parse_float=_finite_float)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    except ValueError as e:  # a NaN / Infinity constant
+        raise ConfigError(f"{path}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid JSON: nested too deeply") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: unreadable: {e.strerror or e}") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: must hold a JSON object, got {type(value).__name__}")
     return value

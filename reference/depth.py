@@ -337,12 +337,14 @@ def save_policy(
 
 def load_policy(checkpoint_dir: str | Path) -> FixedDepth | AdaptiveDepth:
     """<checkpoint_dir>/depth_policy.json, else FixedDepth(DEFAULT_FIXED)."""
-    path = Path(checkpoint_dir) / POLICY_FILE
-    if not path.exists():
+    from reference.checkpoint_validate import optional_file
+
+    path = optional_file(checkpoint_dir, Path(checkpoint_dir) / POLICY_FILE)
+    if path is None:
         return FixedDepth(DEFAULT_FIXED)
     try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     return policy_from_json(d, str(path))
 

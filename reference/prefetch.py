@@ -271,8 +271,10 @@ def load_predictors(directory, cfg: ModelConfig) -> tuple[dict[int, torch.Tensor
             raise PrefetchError(f"{d / f}: no such file (fit: python -m reference.prefetch fit)")
     try:
         meta = json.loads((d / META).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise PrefetchError(f"{d / META}: not JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise PrefetchError(f"{d / META}: must hold a JSON object")
     if meta.get("format") != FORMAT:
         raise PrefetchError(f"{d / META}: format {meta.get('format')!r}, expected {FORMAT!r}")
     t = cfg.target
@@ -280,7 +282,10 @@ def load_predictors(directory, cfg: ModelConfig) -> tuple[dict[int, torch.Tensor
     for k, v in want.items():
         if meta.get(k) != v:
             raise PrefetchError(f"{d / META}: {k} = {meta.get(k)!r}, the model has {v!r} (refit)")
-    tensors = load_file(str(d / TENSORS))
+    try:
+        tensors = load_file(str(d / TENSORS))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise PrefetchError(f"{d / TENSORS}: unreadable safetensors file: {e}") from None
     preds = {}
     for i in t.sliding_layers:
         name = f"layers.{i}.predictor"

@@ -186,7 +186,7 @@ class ReferenceGenerator:
             emitted = [x.token for x in drafts[:a]] + [res.next_token]
             # settle: the target keeps x_m and the accepted drafts (positions ≤ m+a)
             tcache.truncate(m + a + 1)
-            keep_d = m + 1 if m_.cfg.draft.recompute_settled else m + a + 1
+            keep_d = m_.cfg.draft.settled_draft_next(m, a + 1)
             dcache.truncate(min(keep_d, dcache.next_position))
             hidden = {m + j: vout.hidden[j] for j in range(a + 1)}
             rec = RoundRecord(m, drafts, a, emitted, res.bonus)

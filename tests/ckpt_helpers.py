@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,3 +85,15 @@ def edit_tensors(folder: Path, fn: Callable[[dict[str, torch.Tensor]], None]) ->
     index["weight_map"] = placed
     index["metadata"]["total_size"] = sum(t.nbytes for t in tensors.values())
     (folder / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def tree_digest(root: Path) -> str:
+    """Every path and file byte under root (links as their target text)."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_symlink():
+            h.update(os.readlink(p).encode())
+        elif p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()

@@ -27,3 +27,14 @@ def pytest_collection_modifyitems(config, items):
 def device() -> torch.device:
     """Where kernels run: cuda when present, else cpu (interpreter)."""
     return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A synthetic tiny E4M3 checkpoint written by `iquestrt make-checkpoint` (seed 0), for the
+    module; tests that corrupt it work on a copy."""
+    from iquestrt.cli import main
+
+    out = tmp_path_factory.mktemp("tiny") / "tiny"
+    assert main(["make-checkpoint", "--preset", "tiny", "--seed", "0", "--out", str(out)]) == 0
+    return out

@@ -275,7 +275,8 @@ def test_greedy_accepts_top_k_zero(corr):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(ring_pad=6), r"ring_pad: must be >= max_width - 1 = 7"),
+    (dict(ring_pad=6), r"ring_pad: must be in \[max_width - 1 = 7, 4096\]"),
+    (dict(ring_pad=4097), r"ring_pad: must be in \[max_width - 1 = 7, 4096\]"),
     (dict(max_width=9), r"max_width: must be an int in \[1, 8\]"),
     (dict(ops="cuda"), "ops: choose one of"),
     (dict(max_width=4, policy=FixedDepth(4)), "draft depth 4 needs 5 verification rows"),
@@ -377,7 +378,7 @@ def test_cli_runtime_backend_equals_reference_matched(corr, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--precision", "bf16"], "--precision: applies to backend 'reference' only"),
     (["--temperature", "1", "--top-k", "0"], "top_k=0: the runtime's sampler serves"),
-    (["--ring-pad", "3"], "ring_pad: must be >= max_width - 1 = 7"),
+    (["--ring-pad", "3"], "ring_pad: must be in [max_width - 1 = 7, 4096]"),
 ])
 def test_cli_runtime_errors(corr, capsys, extra, message):
     from iquestrt.cli import main

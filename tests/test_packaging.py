@@ -33,8 +33,10 @@ def _sources():
 
 # imports declared in an extra instead of the dependencies, with the extra
 EXTRAS = {"cuda": "gpu"}  # cuda.bindings: the device loop's WHILE / IF graph nodes, GPU only
-# benchmark scripts run from a checkout only (they build their inputs with the tests' helpers)
-CHECKOUT_ONLY = {"benchmarks/bench_attention.py": "pytest", "benchmarks/bench_round.py": "tests"}
+# benchmark scripts run from a checkout only (they build their inputs with the tests' helpers, or
+# drive the server with the [test] extra's HTTP client)
+CHECKOUT_ONLY = {"benchmarks/bench_attention.py": "pytest", "benchmarks/bench_round.py": "tests",
+                 "benchmarks/bench_serve.py": "httpx"}
 
 
 def _requirement_name(req: str) -> str:

@@ -5,7 +5,6 @@ and swapped in whole (iquestrt/files.py), so a reader never sees half a record."
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 
@@ -13,9 +12,11 @@ import torch
 
 from benchmarks.rank.floor import kv_growth_bytes
 from benchmarks.rank.shapes import rank_config
+from iquestrt import outputs
 from iquestrt.experiment.record import revision
-from iquestrt.files import swap_in
 from iquestrt.report.svg import line_chart
+
+OUTPUT = outputs.OutputSpec("--out", "record.json")
 
 TARGET_RATIO, TARGET_GROWTH, TARGET_SPEEDUP = 1.5, 1.2, 5.0
 
@@ -251,19 +252,16 @@ def plots(rec: dict) -> dict[str, str]:
 
 
 def write_record(rec: dict, out_dir: Path) -> Path:
-    """record.json, summary.md and the plots into out_dir (replaced whole)."""
+    """record.json, summary.md and the plots into out_dir, replaced whole (iquestrt/outputs.py:
+    only an earlier record is replaced)."""
     rec = dict(rec)
     rec.setdefault("env", environment())
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
-    (tmp / "record.json").write_text(json.dumps(rec, indent=1, default=_json) + "\n")
-    (tmp / "summary.md").write_text(markdown(rec))
-    for name, svg in plots(rec).items():
-        (tmp / name).write_text(svg)
-    swap_in(tmp, out_dir)
-    return out_dir
+    with outputs.writing(outputs.check(Path(out_dir), OUTPUT, force=True)) as tmp:
+        (tmp / "record.json").write_text(json.dumps(rec, indent=1, default=_json) + "\n")
+        (tmp / "summary.md").write_text(markdown(rec))
+        for name, svg in plots(rec).items():
+            (tmp / name).write_text(svg)
+    return Path(out_dir)
 
 
 def _json(x):

@@ -22,7 +22,7 @@ from benchmarks.rank.engine import RankEngine
 from benchmarks.rank.floor import RoundShape, floor_terms
 from benchmarks.rank.main import CONTEXTS, SweepSpec
 from benchmarks.rank.measure import copy_bandwidth, profile_round
-from benchmarks.rank.record import write_record
+from benchmarks.rank.record import OUTPUT, write_record
 from benchmarks.rank.shapes import TP, rank_config
 from benchmarks.rank.tp import TPBench, tp_bench
 from benchmarks.rank.traces import (
@@ -34,6 +34,7 @@ from benchmarks.rank.traces import (
     uniform_table,
 )
 from benchmarks.rank.weights import random_weights, weight_bytes
+from iquestrt import outputs
 from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
 from iquestrt.tp.group import TPGroup
 from reference.config import ModelConfig, layer_pattern
@@ -220,7 +221,9 @@ def run_baseline(spec: SweepSpec, cfg: ModelConfig, table, context: int, say,
 def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = None,
               group: TPGroup | None = None) -> dict:
     """group (`--tp N`): this rank's TP group; every rank runs the same sweep in step, rank 0
-    alone prints, runs the baseline and writes the record."""
+    alone prints, runs the baseline and writes the record. The output folder is checked first
+    (iquestrt/outputs.py: only an earlier record is replaced) and again when it is written."""
+    outputs.check(Path(out_dir), OUTPUT, force=True)
     say = Progress(quiet=group is not None and group.rank != 0)
     rig = rig or Rig(rank_config())
     cfg, dev = rig.cfg, torch.device(rig.device)

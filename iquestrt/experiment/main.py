@@ -73,7 +73,7 @@ def _take(prompts, n: int | None):
 
 def run_and_record(plan, engines, *, out: Path, checkpoint: Path, command: str,
                    resamples: int, boot_seed: int, level: float = 0.95, force: bool = False,
-                   log=None, limits=None) -> dict:
+                   log=None, limits=None, inputs=()) -> dict:
     """Run the experiment, summarize it, write DIR/record.{json,md}; → the record. `limits`
     (iquestrt/experiment/trust.py, default TrustLimits()) decide the record's warnings."""
     from iquestrt.experiment.arms import describe
@@ -127,7 +127,7 @@ def run_and_record(plan, engines, *, out: Path, checkpoint: Path, command: str,
         "program_check": checks, "summary": summary,
         "runs": [r.as_dict() for r in outcome.runs], "log": lines,
     }
-    write_record(Path(out), record, markdown(record), force)
+    write_record(Path(out), record, markdown(record), force, inputs)
     if log is not None:
         for w in record["warnings"]:
             log(f"warning: {w}")
@@ -155,8 +155,9 @@ def run_from_args(a) -> int:
     import torch
 
     from iquestrt.experiment.record import check_out
-
-    check_out(a.out, a.force)
+    inputs = {"--checkpoint": a.checkpoint, "--prompts": a.prompts,
+              "--snapshot-dir": a.snapshot_dir}
+    check_out(a.out, a.force, inputs)
     if a.threads is not None:
         if a.threads < 1:
             raise ValueError(f"--threads: must be >= 1, got {a.threads}")
@@ -197,7 +198,8 @@ def run_from_args(a) -> int:
     log = None if a.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         run_and_record(plan, engines, out=a.out, checkpoint=a.checkpoint, command=command,
-                       resamples=a.resamples, boot_seed=a.bootstrap_seed, force=a.force, log=log)
+                       resamples=a.resamples, boot_seed=a.bootstrap_seed, force=a.force, log=log,
+                       inputs=inputs)
     except (ExperimentError, EngineError) as e:
         sys.stderr.write(f"iquestrt: experiment stopped: {e}\n")
         return 1

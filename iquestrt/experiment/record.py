@@ -2,9 +2,9 @@
 command, warnings and machine load (iquestrt/experiment/trust.py), plan, checks, summary and raw
 runs, written as DIR/record.json and DIR/record.md.
 
-Atomic: the files are written to a sibling temporary directory that replaces DIR in one rename;
-an existing DIR is only replaced with force (moved aside first, put back if the swap fails, then
-deleted). A failure while writing leaves DIR as it was and no temporary directory behind.
+Written by iquestrt/outputs.py's rules: DIR may not touch an input or the source tree, is
+replaced only with force and only when it holds a record.json, and appears in one rename; a
+failure while writing leaves DIR as it was and no temporary directory behind.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 from pathlib import Path
 
 import torch
 
-from iquestrt.files import swap_in
+from iquestrt import outputs
 from iquestrt.report.provenance import revision  # noqa: F401 (benchmarks/rank imports it here)
 
 JSON_NAME, MD_NAME = "record.json", "record.md"
+OUTPUT = outputs.OutputSpec("--out", JSON_NAME)
 
 
 def environment(device: str) -> dict:
@@ -35,29 +35,12 @@ def environment(device: str) -> dict:
     return env
 
 
-def check_out(out: Path, force: bool) -> None:
-    """Before the experiment runs: refuse an existing --out without --force."""
-    if out.exists() and not force:
-        raise ValueError(f"--out {out}: already exists (pass --force to replace it)")
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: exists and is not a directory")
+def check_out(out: Path, force: bool, inputs=()) -> Path:
+    """Before the experiment runs (iquestrt/outputs.py's rules) → the real output folder."""
+    return outputs.check(Path(out), OUTPUT, force=force, inputs=inputs)
 
 
-def write_record(out: Path, record: dict, markdown: str, force: bool = False) -> None:
-    out = Path(out)
-    check_out(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
+def write_record(out: Path, record: dict, markdown: str, force: bool = False, inputs=()) -> None:
+    with outputs.writing(check_out(out, force, inputs)) as tmp:
         (tmp / JSON_NAME).write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
         (tmp / MD_NAME).write_text(markdown)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

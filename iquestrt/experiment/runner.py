@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from iquestrt.config import RuntimeConfig
+from iquestrt.errors import RuntimeFault
 from iquestrt.experiment.arms import ArmSpec
 from iquestrt.experiment.engine import ExperimentEngine
 from iquestrt.experiment.signature import ProgramSignature
@@ -32,7 +33,7 @@ from reference.config import SamplingDefaults
 from reference.speculative import GenerationRequest, GenerationResult
 
 
-class ExperimentError(RuntimeError):
+class ExperimentError(RuntimeFault):
     """The experiment cannot be trusted (replay differs from real prefill) or cannot run."""
 
 

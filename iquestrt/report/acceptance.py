@@ -3,9 +3,9 @@ write DIR/acceptance.nc (iquestrt/report/dataset.py) and DIR/summary.{md,html} +
 The dataset's global attributes name the code revision, the checkpoint's content hash
 (iquestrt/report/provenance.py) and a command line that repeats the run.
 
-Atomic output: everything is written into DIR.tmp-<pid>, which replaces DIR only after the last
-file is complete; an exception or KeyboardInterrupt removes it. With --force an existing DIR is
-first renamed to DIR.old-<pid> and deleted after the swap.
+Output (iquestrt/outputs.py): DIR may not touch the checkpoint, the prompts (file or folder) or the
+source tree; it is written beside itself and renamed into place after the last file is complete,
+and --force replaces only an earlier report (a folder holding acceptance.nc).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from iquestrt import assets
-from iquestrt.files import checkpoint_tokenizer, swap_in
+from iquestrt import assets, outputs
+from iquestrt.files import checkpoint_tokenizer
 from iquestrt.report.dataset import MAX_ROWS, build_dataset, write_netcdf
 from iquestrt.report.decode import BackendSpec, Decoded, Decoders, policy_label
 from iquestrt.report.prompts import Prompt, load_prompts
@@ -35,6 +34,7 @@ from reference.depth import policy_from_spec
 from reference.speculative import GenerationRequest
 
 NC_NAME = "acceptance.nc"
+OUTPUT = outputs.OutputSpec("--out", NC_NAME, need_bytes=64 << 20)
 TIMING = ("round_end_s is host wall time from the generate() call to each round's on_round "
           "record; round 0 includes the prefill (first_round_s), round_latency_s is the "
           "difference of consecutive records. The engine reads its log after every round when "
@@ -64,7 +64,8 @@ class AcceptanceSpec:
     graphs: str = "auto"  # runtime: "on" | "off" | "auto" (on with kernels on a GPU)
     force: bool = False
 
-    def validate(self) -> None:
+    def validate(self) -> Path:
+        """Every setting checked before any work; → the real output folder."""
         if not Path(self.checkpoint).is_dir():
             raise FileNotFoundError(f"--checkpoint {self.checkpoint}: no such directory")
         if not self.seeds:
@@ -90,11 +91,9 @@ class AcceptanceSpec:
             raise ValueError("--graphs on: applies to --backend runtime")
         if self.graphs == "on" and not torch.cuda.is_available():
             raise ValueError("--graphs on: CUDA graphs need a GPU (none is visible)")
-        out = Path(self.out)
-        if out.exists() and not self.force:
-            raise ValueError(f"--out {out}: already exists (pass --force to replace it)")
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out {out}: exists and is not a directory")
+        return outputs.check(Path(self.out), OUTPUT, force=self.force, inputs={
+            "--checkpoint": Path(self.checkpoint),
+            "--prompts": Path(self.prompts)})
 
 
 def resolve_policies(spec: AcceptanceSpec, num_draft_slots: int) -> dict:
@@ -189,7 +188,7 @@ OnRequest = Callable[[int, int, Decoded], None]
 
 def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) -> Path:
     """Decode every (prompt, seed, policy); on_request(i, total, decoded) after each. → DIR."""
-    spec.validate()
+    real_out = spec.validate()
     ckpt = load_checkpoint(spec.checkpoint)
     cfg = ckpt.cfg
     policies = resolve_policies(spec, cfg.draft.num_draft_slots)
@@ -204,11 +203,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
     for pr in prompts:  # a bad request fails before any decoding
         GenerationRequest(pr.ids, spec.max_new_tokens, cfg.sampling, spec.seeds[0]).validate(
             cfg.target.vocab_size, cfg.target.max_position_embeddings)
-    out = Path(spec.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir()
-    try:
+    with outputs.writing(real_out) as tmp:
         runners = {label: decoders.runner(p) for label, p in policies.items()}
         decoded = []
         for i, (label, pr, seed) in enumerate(jobs):
@@ -221,11 +216,7 @@ def run_acceptance(spec: AcceptanceSpec, on_request: OnRequest | None = None) ->
                            _attrs(spec, cfg, decoders, policies))
         write_netcdf(ds, tmp / NC_NAME)
         write_summary(ds, tmp)
-        swap_in(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    return Path(spec.out)
 
 
 def _progress_line(i: int, total: int, d: Decoded) -> str:

@@ -3,7 +3,9 @@
 
 One request runs at a time (a single-request runtime); up to ServerConfig.max_queue more wait
 in arrival order, and a request beyond that gets 429 with Retry-After. Every bad request gets
-400 with an OpenAI-style error body naming the field, before the engine is touched. A streamed
+400 with an OpenAI-style error body naming the field, before the engine is touched; a fault
+during decoding ends that request with 500 (an error event when streamed) and the server goes on
+serving. A streamed
 request whose client goes away is cancelled: the engine stops at its next log read (about every
 32 tokens on a GPU) and the next request starts then.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -23,9 +26,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from iquestrt.api import LLM, RequestOutput
+from iquestrt.errors import RuntimeFault
 from iquestrt.server import chat
 from iquestrt.server.metrics import ServerMetrics
 from iquestrt.server.schema import ChatRequest, CompletionRequest, error_body
+
+log = logging.getLogger("iquestrt.server")
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,17 @@ def create_app(llm: LLM, cfg: ServerConfig | None = None) -> FastAPI:
     def bad(message: str, param: str | None) -> JSONResponse:
         return JSONResponse(error_body(message, param), status_code=400)
 
+    def fault_body(e: Exception) -> dict:
+        """A fault during decoding (iquestrt/errors.py: RuntimeFault names round and layer);
+        anything else is an internal error, logged with its traceback."""
+        metrics.failed.labels(metrics.model).inc()
+        if not isinstance(e, RuntimeFault):
+            log.exception("internal error while serving a request")
+        return error_body(f"the request failed: {type(e).__name__}: {e}", None, "server_error")
+
+    def fault(e: Exception) -> JSONResponse:
+        return JSONResponse(fault_body(e), status_code=500)
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -138,6 +155,8 @@ def create_app(llm: LLM, cfg: ServerConfig | None = None) -> FastAPI:
             ran = True
             queued = time.perf_counter() - arrived
             out = await asyncio.to_thread(llm.run, req)
+        except Exception as e:  # noqa: BLE001 — a fault ends this request, never the server
+            return fault(e)
         finally:
             admission.release(ran)
         metrics.finished(out, queued + out.timing.prefill_s)
@@ -174,6 +193,10 @@ def create_app(llm: LLM, cfg: ServerConfig | None = None) -> FastAPI:
             yield "data: [DONE]\n\n"
             metrics.finished(out, ttft if ttft is not None else time.perf_counter() - arrived)
             reported = True
+        except Exception as e:  # noqa: BLE001 — a fault mid-stream: an error event, then the end
+            reported = True
+            yield "data: " + json.dumps(fault_body(e)) + "\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             try:
                 if stream is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 from pathlib import Path
 
 
@@ -35,6 +36,7 @@ def run_from_args(a) -> int:
         raise ValueError(f"--port: must be in [0, 65535], got {a.port}")
     if a.max_queue < 0:
         raise ValueError(f"--max-queue: must be >= 0, got {a.max_queue}")
+    _can_listen(a.host, a.port)  # before the model loads
     checkpoint = a.checkpoint or assets.default_model()
     opts = EngineOptions(backend=a.backend, ops=a.ops, draft_depth=a.draft_depth,
                          max_model_len=a.max_model_len,
@@ -43,3 +45,16 @@ def run_from_args(a) -> int:
     cfg = ServerConfig(model_name=a.model_name or Path(checkpoint).name, max_queue=a.max_queue)
     uvicorn.run(create_app(llm, cfg), host=a.host, port=a.port, log_level="info")
     return 0
+
+
+def _can_listen(host: str, port: int) -> None:
+    """Bind (host, port) as uvicorn will (SO_REUSEADDR) and let go; a busy port or an address
+    not of this machine is named at once instead of after the model has loaded."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: "
+                         f"{e.strerror or e}") from None

@@ -22,6 +22,9 @@ class ServerMetrics:
                                          registry=r)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                m + ["finished_reason"], registry=r)
+        self.failed = Counter("iquestrt:request_failure", "Requests ended by a fault during "
+                              "decoding (answered 500, or an error event when streamed).", m,
+                              registry=r)
         self.running = Gauge("vllm:num_requests_running", "Requests running (0 or 1).", m,
                              registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued.", m, registry=r)

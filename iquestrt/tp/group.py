@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from iquestrt.errors import RuntimeFault
 from reference.config import ModelConfig
 
 BACKENDS = ("gloo", "nccl")
@@ -38,7 +39,7 @@ MULTICAST_OFF = (
 )
 
 
-class TPError(RuntimeError):
+class TPError(RuntimeFault):
     """A process group could not be set up, or a collective failed or timed out."""
 
 

@@ -92,7 +92,8 @@ def test_quick_is_one_context_one_width():
 def test_sweep_writes_the_record_on_the_twins(tmp_path):
     out = tmp_path / "rec"
     out.mkdir()
-    (out / "stale.txt").write_text("old")  # replaced whole, not merged
+    (out / "record.json").write_text("{}")  # an earlier record: replaced whole, not merged
+    (out / "stale.txt").write_text("old")
     spec = SweepSpec(widths=(4, 6), adaptive=True, contexts=("1K",), rounds=4, reps=1,
                      baseline="none", profile="none", eager=False)
     rec = run_sweep(spec, out, "test", Rig(small_rank_config(), "cpu", "twins", 4.24e12))
@@ -179,3 +180,16 @@ def test_sweep_with_pdl_ab_on_the_twins_is_refused_per_configuration(tmp_path):
     with pytest.raises(ValueError, match="pdl"):
         run_sweep(spec, tmp_path / "r", "test", Rig(small_rank_config(), "cpu", "twins", 4.24e12))
     assert not (tmp_path / "r").exists()
+
+
+def test_sweep_refuses_a_folder_it_did_not_write_before_running(tmp_path):
+    from iquestrt.outputs import OutputError
+
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    spec = SweepSpec(widths=(4,), adaptive=False, contexts=("1K",), rounds=4, reps=1,
+                     baseline="none", profile="none", eager=False)
+    with pytest.raises(OutputError, match="only a folder this command wrote"):
+        run_sweep(spec, out, "test", Rig(small_rank_config(), "cpu", "twins", 4.24e12))
+    assert (out / "mine.txt").read_text() == "keep"

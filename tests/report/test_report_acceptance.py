@@ -285,14 +285,14 @@ def test_summary_and_adaptive_vs_fixed(report, redecoded):
     assert html.count("<svg") == 6 and "adaptive − fixed-3" in html
     assert sorted(p.name for p in out.iterdir()) == [NC_NAME, "plots", "summary.html",
                                                      "summary.md"]
-    assert not list(out.parent.glob("r.tmp-*"))
+    assert not list(out.parent.glob(".r.tmp-*"))
 
 
 def test_interrupt_leaves_no_report(mini, two_prompts, tmp_path):
     out = tmp_path / "r"
 
     def stop(i, n, d):
-        assert (tmp_path / f"r.tmp-{os.getpid()}").is_dir()  # the loop writes there
+        assert (tmp_path / f".r.tmp-{os.getpid()}").is_dir()  # the loop writes there
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -303,7 +303,7 @@ def test_interrupt_leaves_no_report(mini, two_prompts, tmp_path):
 def test_failure_keeps_the_previous_report(mini, two_prompts, tmp_path, monkeypatch):
     out = tmp_path / "r"
     out.mkdir()
-    (out / "old.txt").write_text("previous report")
+    (out / NC_NAME).write_text("previous report")  # an earlier report: --force may replace it
 
     def boom(ds, folder):
         raise RuntimeError("summary failed")
@@ -314,7 +314,7 @@ def test_failure_keeps_the_previous_report(mini, two_prompts, tmp_path, monkeypa
     with pytest.raises(RuntimeError, match="summary failed"):
         run_acceptance(spec)
     assert [p.name for p in tmp_path.iterdir()] == ["r"]
-    assert (out / "old.txt").read_text() == "previous report"
+    assert (out / NC_NAME).read_text() == "previous report"
 
 
 def test_prompt_truncation_keeps_the_last_tokens(mini, two_prompts):

@@ -58,8 +58,9 @@ def test_bad_arguments(case, message, mini, two_prompts, empty_file, tmp_path, c
         extra = ["--depth", "deep"]
     elif case == "same seed twice":
         extra = ["--seeds", "1", "1"]
-    elif case == "existing out":
+    elif case == "existing out":  # an empty folder would be taken
         out.mkdir()
+        (out / "notes.txt").write_text("x")
     elif case == "bad prompt line":
         prompts = tmp_path / "bad.jsonl"
         prompts.write_text(json.dumps({"id": "x", "text": "def f():"}) + "\n")
@@ -70,4 +71,4 @@ def test_bad_arguments(case, message, mini, two_prompts, empty_file, tmp_path, c
     err = capsys.readouterr().err
     assert err.startswith("iquestrt: error:") and message in err, err
     assert not out.exists() or case == "existing out"
-    assert not list(tmp_path.glob("rep.tmp-*"))
+    assert not list(tmp_path.glob(".rep.tmp-*"))
