@@ -118,6 +118,9 @@ class RuntimeConfig:
             "graphs",
             f"CUDA graphs need a CUDA device, got device {self.device!r}",
         )
+        _require(not self.graphs or self.ops == "kernels", "graphs",
+                 "CUDA graphs replay the compiled kernels: set ops='kernels' (the twins read "
+                 "device values on the host, which a captured graph cannot)")
         _require(
             isinstance(self.policy, (FixedDepth, AdaptiveDepth)),
             "policy",

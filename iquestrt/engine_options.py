@@ -21,7 +21,7 @@ BACKENDS = ("runtime", "reference")
 class EngineOptions:
     backend: str = "runtime"  # "runtime" (the IQuestRT engine) | "reference" (slow, exact)
     ops: str = "auto"  # runtime: "kernels" | "twins" | "auto" (kernels on a GPU, twins on a CPU)
-    graphs: bool | None = None  # runtime: one CUDA graph per round; None = on a GPU
+    graphs: bool | None = None  # runtime: one CUDA graph per round; None = with kernels on a GPU
     loop: str = "host"  # runtime with graphs: "device" loops rounds in a WHILE node
     pdl: bool = False  # runtime, compiled kernels on Hopper: programmatic dependent launch
     ring_pad: int = 64  # runtime: ring slots beyond each window
@@ -109,7 +109,8 @@ class RuntimeBackend:
     def __init__(self, ckpt: Checkpoint, o: EngineOptions, policy):
         gpu = torch.cuda.is_available()
         ops = o.ops if o.ops != "auto" else ("kernels" if gpu else "twins")
-        graphs = gpu if o.graphs is None else o.graphs
+        # graphs replay the compiled kernels; the twins read device values on the host
+        graphs = (gpu and ops == "kernels") if o.graphs is None else o.graphs
         if ops == "kernels" and not gpu:
             os.environ.setdefault("TRITON_INTERPRET", "1")
         if graphs and not gpu:

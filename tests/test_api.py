@@ -173,3 +173,30 @@ def test_the_reference_backend_serves_the_same_api():
     out = llm.generate(PROMPT, SamplingParams(max_tokens=6, seed=3))
     twins = LLM(mini_engine.MINI, ops="twins", draft_depth=3, max_model_len=64)
     assert out.token_ids == twins.generate(PROMPT, SamplingParams(max_tokens=6, seed=3)).token_ids
+
+
+def test_graphs_default_follows_the_ops(monkeypatch):
+    """EngineOptions.graphs None turns graphs on only for the compiled kernels on a GPU: the
+    twins read device values on the host, which no captured graph can (a twins server on a
+    GPU answered every request with 500 before)."""
+    import iquestrt.engine_options as eo
+
+    monkeypatch.setattr(eo.torch.cuda, "is_available", lambda: True)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def capture(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr("iquestrt.config.RuntimeConfig", capture)
+    from iquestrt import assets
+    from reference.checkpoint import load_checkpoint
+
+    ck = load_checkpoint(assets.default_model())
+    for ops, graphs in (("twins", False), ("kernels", True)):
+        with pytest.raises(Stop):
+            eo.RuntimeBackend(ck, eo.EngineOptions(ops=ops), None)
+        assert seen["graphs"] is graphs, ops

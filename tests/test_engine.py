@@ -285,6 +285,7 @@ def test_greedy_accepts_top_k_zero(corr):
     (dict(loop="gpu"), r"loop: choose one of \('host', 'device'\)"),
     (dict(loop="device"), "loop: the device loop replays the round's CUDA graph"),
     (dict(wait_s=0), r"wait_s: must be a number of seconds in \(0, 86400\]"),
+    (dict(graphs=True, device="cuda"), "graphs: CUDA graphs replay the compiled kernels"),
 ])
 def test_bad_runtime_config(kw, message):
     with pytest.raises(RuntimeConfigError, match=message):
