@@ -36,6 +36,16 @@ class RuntimeCaches:
     target_len: int = 0
     draft_next: int = DRAFT_START
 
+    @staticmethod
+    def nbytes(cfg: ModelConfig, rcfg: RuntimeConfig, capacity: int) -> int:
+        """The bytes `create` allocates (one rank holding every head): K and V in BF16 plus
+        the int32 slot labels, per target layer and for the draft ring."""
+        t = cfg.target
+        slots = [capacity if kind == FULL else t.sliding_window + rcfg.ring_pad
+                 for kind in t.layer_types] + [cfg.draft.sliding_window + rcfg.ring_pad]
+        per_slot = 2 * t.num_key_value_heads * t.head_dim * 2 + 4
+        return sum(slots) * per_slot
+
     @classmethod
     def create(
         cls, cfg: ModelConfig, rcfg: RuntimeConfig, capacity: int, device: torch.device,

@@ -134,6 +134,8 @@ class RuntimeBackend:
                              max_positions=self.max_model_len + KERNEL_WIDTH, policy=policy,
                              graphs=graphs, loop=o.loop, tp_reduce=o.tp_reduce, pdl=o.pdl)
         self.tp = o.tp
+        if o.tp == 1:  # a rank of a TP group holds a share: each rank's own check is its load
+            _check_memory(ckpt, rcfg, self.max_model_len)
         if o.tp > 1:
             self.engine = _tp_engine(ckpt, rcfg)
         else:
@@ -153,6 +155,32 @@ class RuntimeBackend:
             from iquestrt.tp.group import close_group
 
             close_group()
+
+
+def free_bytes(device: str) -> int:
+    """Memory a new allocation can take: the GPU's free memory, or the host's MemAvailable."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kb * 1024
+    except (OSError, StopIteration, ValueError):  # not Linux: no bound to check against
+        return 1 << 62
+
+
+def _check_memory(ckpt: Checkpoint, rcfg, max_model_len: int) -> None:
+    """The weights and the caches of max_model_len fit in free memory, before either is made."""
+    from iquestrt.cache import RuntimeCaches
+    from reference.checkpoint_validate import stored_bytes
+
+    caches = RuntimeCaches.nbytes(ckpt.cfg, rcfg, rcfg.max_positions)
+    need = caches + stored_bytes(ckpt.cfg, "fp8")
+    free = free_bytes(rcfg.device)
+    if need > free:
+        raise ValueError(f"EngineOptions.max_model_len {max_model_len}: the weights and caches "
+                         f"need {need / 2**30:.2f} GiB ({caches / 2**30:.2f} GiB of caches), "
+                         f"{free / 2**30:.2f} GiB is free on {rcfg.device}; lower it")
 
 
 def _fits(req: GenerationRequest, max_model_len: int) -> None:

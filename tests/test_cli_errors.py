@@ -216,3 +216,25 @@ def test_serve_on_a_busy_port_is_one_line_before_the_model_loads(capsys):
         err = one_line(["serve", "--port", str(port)], capsys)
     assert f"--port {port}: cannot listen there" in err
     assert time.perf_counter() - t0 < 30  # refused before the model loads
+
+
+def test_caches_beyond_free_memory_are_refused_before_allocation(tiny, monkeypatch, capsys):
+    import iquestrt.engine_options as eo
+
+    monkeypatch.setattr(eo, "free_bytes", lambda device: 1 << 20)
+    err = one_line(["generate", "--checkpoint", str(tiny), "--backend", "runtime", *GEN], capsys)
+    assert "the weights and caches need" in err and "0.00 GiB is free on cpu" in err
+
+
+def test_the_cache_estimate_is_what_the_caches_allocate(tiny):
+    from iquestrt.cache import RuntimeCaches
+    from iquestrt.config import RuntimeConfig
+    from reference.config import ModelConfig
+
+    cfg = ModelConfig.load(tiny)
+    for capacity, pad in ((64, 8), (1000, 64)):
+        rcfg = RuntimeConfig(ring_pad=pad)
+        c = RuntimeCaches.create(cfg, rcfg, capacity, "cpu")
+        made = sum(t.nbytes for lay in [*c.target, c.draft]
+                   for t in (lay.k, lay.v, lay.slot_pos))
+        assert RuntimeCaches.nbytes(cfg, rcfg, capacity) == made
