@@ -83,10 +83,10 @@ def check(out: Path, spec: OutputSpec, *, force: bool = False,
         if rel is not None:
             raise OutputError(f"{where}: {rel} the {label} {p}; choose another folder")
     checkout = Path(__file__).resolve().parents[1]
-    if (checkout / "pyproject.toml").is_file() and _relation(real, checkout) in ("is",
-                                                                              "contains"):
-        raise OutputError(f"{where}: {_relation(real, checkout)} the source checkout "
-                          f"{checkout}; choose another folder")
+    rel = _relation(real, checkout) if (checkout / "pyproject.toml").is_file() else None
+    if rel in ("is", "contains"):  # inside it is fine: reports/ holds the records
+        raise OutputError(f"{where}: {rel} the source checkout {checkout}; choose another "
+                          f"folder")
     if real.exists():
         if not real.is_dir():
             raise OutputError(f"{where}: exists and is not a directory")
