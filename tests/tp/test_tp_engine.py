@@ -117,7 +117,7 @@ def test_tp_graphs_on_the_device_loop_are_refused():
     """Checked before anything is sharded or allocated (a CUDA device string needs no GPU)."""
     w = from_checkpoint(load_checkpoint(mini_engine.MINI), "cpu", 256)
     g = TPGroup(0, 2, "gloo", torch.device("cpu"), 10.0)
-    loop = RuntimeConfig(ops="twins", device="cuda", max_positions=256, ring_pad=8,
+    loop = RuntimeConfig(ops="kernels", device="cuda", max_positions=256, ring_pad=8,
                          prefetch=False, graphs=True, loop="device")
     with pytest.raises(ValueError, match="loop 'device' is not supported with tensor"):
         TPEngine(w, loop, g)
