@@ -24,15 +24,20 @@ def _install(session: nox.Session) -> None:
 
 
 # CI's 2 cores: one pytest worker per core, each test file on one worker (its module fixtures
-# built once); 935 s instead of 1 705 s for the suite on a 2-core host (session 10). Benchmarks
+# built once); 935 s instead of 1 705 s for the suite on a 2-core host (commit 7d93e23). Benchmarks
 # are GPU-only and skipped here; disabling them keeps pytest-benchmark quiet under xdist.
-PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile", "--benchmark-disable"]
+# --durations: every run (CI's included) lists its 25 slowest tests, the data for keeping the
+# suite inside its time budget.
+PARALLEL = ["-n", "auto", "--maxprocesses", "4", "--dist", "loadfile", "--benchmark-disable",
+            "--durations", "25"]
 
 
 @nox.session
 def tests(session: nox.Session) -> None:
     _install(session)
-    session.run("python", "-m", "pytest", *(session.posargs or PARALLEL))
+    # posargs add to the parallel run: `nox -s tests -- -m "not slow"` is the fast tier,
+    # `nox -s tests -- tests/kernels` one folder
+    session.run("python", "-m", "pytest", *PARALLEL, *session.posargs)
 
 
 @nox.session

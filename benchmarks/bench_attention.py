@@ -39,7 +39,7 @@ from reference.kv_layout import attention_ref  # noqa: E402
 
 HQ, HKV, D = 6, 1, 128
 SCALE = D**-0.5
-HBM_BPS = 4.24e12  # measured H200 copy bandwidth (PLATFORM.md)
+HBM_BPS = 4.24e12  # measured H200 copy bandwidth (read + write)
 L2_BYTES = 60e6
 FULL_CAPACITY = 131072 + 64
 CONTEXTS = (4096, 16384, 65536, 131072)

@@ -11,7 +11,7 @@ Rows: an 8-row buffer with n_live = rows. Each shape is first checked against it
 Timing: a CUDA graph of `reps` calls cycling through enough weight copies that the bytes cycled
 exceed 2 × L2 (60 MB), so every call streams its weights from HBM; median over `trials` graph
 replays (CUDA events) after warm-up. Bytes that must move: weights (+ FP32 block scales) + x read
-+ y written; achieved bandwidth vs 4.24 TB/s (measured copy bandwidth, PLATFORM.md). Split-K
++ y written; achieved bandwidth vs 4.24 TB/s (the H200's measured copy bandwidth). Split-K
 partials (written and read once more, ≤ 10% of the weight bytes here) are reported apart.
 Torch baselines in the same run: `torch_deq` dequantizes W to bf16 and multiplies (the simplest
 formulation of the FP8 op), `torch_bf16` multiplies a pre-dequantized bf16 W (2× the bytes: what

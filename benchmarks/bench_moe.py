@@ -4,13 +4,14 @@ GPU, against the HBM floor and against the simplest torch formulation of the sam
     python -m benchmarks.bench_moe --rows 1 4 6 8 --json bench_moe.json
 
 Per row count: routing with a chosen number of distinct experts (defaults: independent top-8 of
-256, PERFORMANCE.md: 8.0 / 30.5 / 44.4 / 57.4 at 1 / 4 / 6 / 8 rows), checked against the twin
-(reference/fp8_ops.py) before any timing — a wrong result raises. Timing: a CUDA graph of `reps`
-calls, each on the next routing set; the sets use disjoint experts (and `copies` weight copies),
-so the weights cycled through exceed L2 (60 MB) and are streamed from HBM like in a decode round.
+256, 256·(1 − (31/32)^R) distinct: 8.0 / 30.5 / 44.4 / 57.4 at R = 1 / 4 / 6 / 8 rows), checked
+against the twin (reference/fp8_ops.py) before any timing — a wrong result raises. Timing: a CUDA
+graph of `reps` calls, each on the next routing set; the sets use disjoint experts (and `copies`
+weight copies), so the weights cycled through exceed L2 (60 MB) and are streamed from HBM like in
+a decode round.
 Median over `trials` graph replays after warm-up, timed with CUDA events. Bytes that must move:
 distinct experts × (3·H·I E4M3 + scales) + x read + out written; bandwidth vs 4.24 TB/s
-(measured copy bandwidth of the H200, PLATFORM.md).
+(measured copy bandwidth of the H200, read + write).
 """
 
 from __future__ import annotations

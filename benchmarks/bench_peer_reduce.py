@@ -1,5 +1,5 @@
 """The fused all-reduce over peer memory against NCCL's all-reduce, in one run on N GPUs
-(issue 8: one reduction at 4–8 rows, target ≤ 10 µs at TP8):
+(target: one reduction at 4–8 rows in ≤ 10 µs at TP8):
 
     torchrun --nproc-per-node N -m benchmarks.bench_peer_reduce --out DIR [--rows 4 6 8]
 

@@ -37,9 +37,10 @@ from iquestrt.engine import Engine
 from iquestrt.round import RoundProgram
 from iquestrt.weights import from_checkpoint
 from reference.checkpoint import load_checkpoint
+from reference.config import SamplingDefaults
+from reference.correlated import make_ckpt
 from reference.depth import policy_from_spec
 from reference.speculative import GenerationRequest
-from tests.test_engine_setup import SAMPLING, make_ckpt
 
 PROMPT = tuple(range(5, 69))
 MODES = ("eager", "graph", "device")
@@ -154,7 +155,7 @@ def main(argv=None) -> int:
         return 2
     ck = load_checkpoint(args.checkpoint or make_ckpt(Path(tempfile.mkdtemp()) / "c",
                                                       "correlated"))
-    req = GenerationRequest(PROMPT, args.tokens, SAMPLING, 1)
+    req = GenerationRequest(PROMPT, args.tokens, SamplingDefaults(), 1)  # the model's
     engines = {}
     for d in args.depths:
         for mode in args.modes:

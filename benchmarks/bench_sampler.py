@@ -42,7 +42,7 @@ from reference.config import SamplingDefaults  # noqa: E402
 from reference.rng import Purpose, uniforms  # noqa: E402
 from reference.sampling_twins import sample_ref  # noqa: E402
 
-HBM_BYTES_PER_S = 4.24e12  # measured copy bandwidth of the H200 (PLATFORM.md)
+HBM_BYTES_PER_S = 4.24e12  # measured copy bandwidth of the H200 (read + write)
 SEED = 20250611
 
 

@@ -28,8 +28,10 @@ DISTINCT = {1: 8, 4: 30, 6: 44, 8: 57}
 
 
 def candidates() -> list[MoeLaunch]:
-    """The session-9 neighbourhood of the pinned config: gate/up tile × K-split length × warps,
-    down tile × warps (stages as pinned; deeper pipelines lost in sessions 2 and 9)."""
+    """The neighbourhood of the pinned config: gate/up tile × K-split length × warps, down tile ×
+    warps (stages as pinned; deeper pipelines measured slower on the H200:
+    reports/benchmarks/h200-2026-11-29/sweep_moe.log,
+    reports/benchmarks/h200-2026-12-01/session9/exp_moe_call1.log, exp_router_moe_call2.log)."""
     return [
         MoeLaunch(gate_up_block_n=gu, down_block_n=dn, combine_block_h=512, num_warps=4,
                   gate_up_stages=3, down_stages=2, gate_up_k_blocks=kb, gate_up_warps=gw,

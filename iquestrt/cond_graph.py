@@ -101,7 +101,8 @@ class CondGraph:
     def close(self) -> None:
         """Free the instantiated and built graphs and the captured parts (their pool goes with
         them). Explicit calls only: a part's reset during another stream's capture invalidates
-        that capture (H200, session 8: garbage collection ran it inside a capture)."""
+        that capture (on the H200 garbage collection ran it inside a capture:
+        reports/benchmarks/h200-2026-11-30/session8/graphs_gpu_call6_failed.log)."""
         self._destroy()
         for g in getattr(self, "_captures", ()):
             g.reset()

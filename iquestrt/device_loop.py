@@ -1,7 +1,7 @@
 """CUDA plumbing for conditional graphs (iquestrt/cond_graph.py): the two one-thread condition
 kernels, cuda-python driver calls, and the host's bounded wait for launched work.
 
-PyTorch cannot capture conditional nodes (PLATFORM.md); the CUDA driver API (cuda-python) builds
+PyTorch cannot capture conditional (IF / WHILE) nodes; the CUDA driver API (cuda-python) builds
 them. A condition is set on the device by a kernel calling cudaGraphSetConditional — a CUDA
 runtime builtin: declared below, it compiles with NVRTC without the device-runtime headers.
 

@@ -22,7 +22,7 @@ from iquestrt.model import (
     padded_positions,
     padded_tokens,
 )
-from iquestrt.ops import Live
+from iquestrt.ops import EntryNorms, EntrySource, Live
 from iquestrt.weights import Weights
 
 
@@ -69,13 +69,13 @@ class DraftModel:
         d, t = self.w.draft, self.t
         rows, dev = self.width, self.w.device
         pos = torch.empty(rows, dtype=torch.int32, device=dev)  # [R]
-        src = (tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live, d.embed,
-               d.enorm, d.hnorm, t.rms_norm_eps)
+        src = EntrySource(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base)
+        norms = EntryNorms(d.embed, d.enorm, d.hnorm, t.rms_norm_eps)
         if fused:
-            x, _ = self.ops.eh_proj(*src, d.eh_proj, pos)  # [R, H]
+            x, _ = self.ops.eh_proj(src, live, norms, d.eh_proj, pos)  # [R, H]
         else:
             eh = torch.empty(rows, 2 * t.hidden_size, dtype=torch.bfloat16, device=dev)  # [R, 2H]
-            self.ops.draft_entry(*src, eh, pos)
+            self.ops.draft_entry(src, live, norms, eh, pos)
             x = self.ops.linear_bf16_f32(eh, d.eh_proj, live, torch.bfloat16)  # [R, H]
         logits, hidden = self._layer(x, pos, live, cache)
         return logits, hidden, pos

@@ -26,10 +26,15 @@ from kernels import verify as k_verify
 from kernels.fp8 import E4M3
 from kernels.launch import check_pdl
 from kernels.peer_partials import RingRead
-from kernels.sampler import SampleOut
 from kernels.tail_router import RouteScratch
-from kernels.verify import VerifyOut
-from reference.tails import AttnTailOut, MoeTailOut
+from reference.op_types import (
+    AttnTailOut,
+    EntryNorms,
+    EntrySource,
+    MoeTailOut,
+    SampleOut,
+    VerifyOut,
+)
 
 ROLLBACK_ROWS = 8  # the rollback kernel's width: positions one settlement may relabel
 
@@ -141,17 +146,15 @@ class KernelOps:
                                 store_sum=store_sum, y_out=y_out, y_dtype=y_dtype,
                                 pdl=self.pdl)
 
-    def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
-                    live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
-        return k_entry.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
-                                   live.t, embed, enorm, hnorm, eps, eh_out, pos_out,
-                                   pdl=self.pdl)
+    def draft_entry(self, src: EntrySource, live: Live, norms: EntryNorms, eh_out, pos_out):
+        return k_entry.draft_entry(src.tokens, src.tok_base, src.tok_max, src.hidden,
+                                   src.hid_base, src.pos_base, live.t, norms.embed, norms.enorm,
+                                   norms.hnorm, norms.eps, eh_out, pos_out, pdl=self.pdl)
 
-    def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
-                live: Live, embed, enorm, hnorm, eps, weight, pos_out):
-        return k_eh_proj.eh_proj(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base,
-                                 live.t, embed, enorm, hnorm, eps, weight, pos_out,
-                                 pdl=self.pdl)
+    def eh_proj(self, src: EntrySource, live: Live, norms: EntryNorms, weight, pos_out):
+        return k_eh_proj.eh_proj(src.tokens, src.tok_base, src.tok_max, src.hidden,
+                                 src.hid_base, src.pos_base, live.t, norms.embed, norms.enorm,
+                                 norms.hnorm, norms.eps, weight, pos_out, pdl=self.pdl)
 
     def silu_mul_rows(self, g, u, live: Live):
         return k_rows.silu_mul_rows(g, u, live.t, pdl=self.pdl)

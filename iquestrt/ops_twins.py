@@ -19,13 +19,18 @@ import torch
 from iquestrt.live import Live, host_seed
 from iquestrt.ops_kernels import ROLLBACK_ROWS
 from iquestrt.weights import Fp8Linear, MoeWeights
-from kernels.sampler import SampleOut
 from kernels.sampler_values import DeviceSampling
-from kernels.verify import VerifyOut
 from reference import dense_twins, fp8_ops, kv_layout, sampling_twins
 from reference import ops as ref_ops
 from reference import tails as t_tails
-from reference.tails import AttnTailOut, MoeTailOut
+from reference.op_types import (
+    AttnTailOut,
+    EntryNorms,
+    EntrySource,
+    MoeTailOut,
+    SampleOut,
+    VerifyOut,
+)
 
 NAN = float("nan")
 
@@ -218,30 +223,30 @@ class TwinOps:
                 y[r : r + 1] = ref_ops.rms_norm(s_r, w, eps, y.dtype)
         return s_out, y
 
-    def draft_entry(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
-                    live: Live, embed, enorm, hnorm, eps, eh_out, pos_out):
+    def draft_entry(self, src: EntrySource, live: Live, norms: EntryNorms, eh_out, pos_out):
         """The composition the entry launch replaces: gather with the launch's clamps (token
         slot to [0, tok_max], token id to [0, V − 1], hidden row to [0, S − 1]), embed, the two
         norm_rows twins into eh_out's halves (live rows only), pos = base + r or −1."""
+        embed, eps = norms.embed, norms.eps
         rows, h_size = eh_out.shape[0], embed.shape[1]
-        ar = torch.arange(rows, device=tokens_src.device)  # [R]
-        src = (_host_int(tok_base) + ar).clamp(0, tok_max)
-        tok = tokens_src[src].clamp(0, embed.shape[0] - 1)  # [R]
-        hrow = (_host_int(hid_base) + ar).clamp(0, hid_src.shape[0] - 1).to(hid_src.device)
-        self.norm_rows(embed[tok.to(embed.device)], enorm, live, eps, y_out=eh_out[:, :h_size])
-        self.norm_rows(hid_src[hrow], hnorm, live, eps, y_out=eh_out[:, h_size:])
+        ar = torch.arange(rows, device=src.tokens.device)  # [R]
+        slot = (_host_int(src.tok_base) + ar).clamp(0, src.tok_max)
+        tok = src.tokens[slot].clamp(0, embed.shape[0] - 1)  # [R]
+        hid = src.hidden
+        hrow = (_host_int(src.hid_base) + ar).clamp(0, hid.shape[0] - 1).to(hid.device)
+        self.norm_rows(embed[tok.to(embed.device)], norms.enorm, live, eps,
+                       y_out=eh_out[:, :h_size])
+        self.norm_rows(hid[hrow], norms.hnorm, live, eps, y_out=eh_out[:, h_size:])
         ar = ar.to(pos_out.device)
-        pos_out.copy_(torch.where(ar < live.n, _host_int(pos_base) + ar, -1))
+        pos_out.copy_(torch.where(ar < live.n, _host_int(src.pos_base) + ar, -1))
         return eh_out, pos_out
 
-    def eh_proj(self, tokens_src, tok_base, tok_max: int, hid_src, hid_base, pos_base,
-                live: Live, embed, enorm, hnorm, eps, weight, pos_out):
+    def eh_proj(self, src: EntrySource, live: Live, norms: EntryNorms, weight, pos_out):
         """The composition the fused kernel replaces: draft_entry, then eh_proj's linear
         (bf16 out) → (x [R, N], pos_out)."""
-        eh = torch.zeros(pos_out.shape[0], 2 * embed.shape[1], dtype=torch.bfloat16,
+        eh = torch.zeros(pos_out.shape[0], 2 * norms.embed.shape[1], dtype=torch.bfloat16,
                          device=self.dev)
-        self.draft_entry(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, live, embed,
-                         enorm, hnorm, eps, eh, pos_out)
+        self.draft_entry(src, live, norms, eh, pos_out)
         return self.linear_bf16_f32(eh, weight, live, torch.bfloat16), pos_out
 
     def silu_mul_rows(self, g, u, live: Live):

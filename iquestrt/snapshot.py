@@ -1,4 +1,4 @@
-"""Prefill snapshot replay (issue 6 item 7): the target prefill of a prompt runs once; its state
+"""Prefill snapshot replay: the target prefill of a prompt runs once; its state
 is saved and later requests over the same prompt restore it instead of recomputing it, then run
 the rest of a request exactly as Engine.generate does: draft prefill, sampling of the first
 token, the round program (graph capture when on) and decode.
@@ -15,8 +15,8 @@ prompt ids, the prefill's chunk width (max_width), ring slots (ring_pad), the op
 the device type; replay refuses any other engine or prompt with a message naming the mismatch.
 On disk (a directory): snapshot.safetensors + snapshot.json holding the key and each tensor's
 sha256, checked on load, so a changed byte is refused rather than replayed.
-tests/test_snapshot.py shows replay equals real prefill bit for bit (tokens, round records, cache
-digests) and that a one-element change in K is caught.
+tests/engine/test_snapshot.py shows replay equals real prefill bit for bit (tokens, round
+records, cache digests) and that a one-element change in K is caught.
 
 Dimension letters: n prompt positions, C cache slots, Hkv KV heads, D head dim, H hidden,
 V vocabulary.

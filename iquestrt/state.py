@@ -1,4 +1,4 @@
-"""Device-resident request state and the result log (issue 4, "device-resident state").
+"""Device-resident request state and the result log.
 
 Everything a round reads or writes lives here as device tensors, so a round is a straight-line
 program with no host reads (iquestrt/round.py) and can be captured in a CUDA graph. The host

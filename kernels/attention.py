@@ -90,10 +90,10 @@ def pick_config(head_dim: int, capacity: int, ring: bool) -> AttentionConfig:
                                num_stages=1, combine_heads=16, combine_splits=2, combine_warps=4)
     # Chosen on the H200 by benchmarks/sweep_attention.py (reports/benchmarks/h200-2026-11-29/
     # sweep_attention*.log), 6 rows: 64-key tiles, 3 stages, 4 warps. The combine: 4-warp
-    # programs per (row, head) loading up to 128 splits per trip (session 10,
-    # reports/benchmarks/h200-2026-12-01/session10/): 5.2 µs at 128K vs 11.7 µs for 1-warp
+    # programs per (row, head) loading up to 128 splits per trip
+    # (reports/benchmarks/h200-2026-12-01/session10/): 5.2 µs at 128K vs 11.7 µs for 1-warp
     # programs adding 16 splits per trip, 3.8 vs 6.9 µs per launch in the round at 192K.
-    if ring:  # 4096 + 64 slots: 66 splits of ≥ 2 tiles (12.7 µs vs 15.1 µs before)
+    if ring:  # 4096 + 64 slots: 66 splits of ≥ 2 tiles (12.7 µs; 32 splits, 2 stages: 15.1)
         return AttentionConfig(block_n=64, num_splits=66, min_tiles_per_split=2, num_warps=4,
                                num_stages=3, combine_heads=1, combine_splits=128, combine_warps=4)
     # full layers: ≤ 132 splits (one per SM) of ≥ 2 tiles: 64K 21.8 µs, 128K 33.8 µs with this

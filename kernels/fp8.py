@@ -75,9 +75,9 @@ def quantize_row(x, q_ptr, s_ptr, row, live, cols, stride_qr, stride_sr, GROUPS:
     """quantize_act of one row held in registers: x fp32 [GROUPS·128] → q [cols] E4M3 and
     scales [⌈cols/128⌉] stored at `row`. The values quantized are exactly those the caller
     stored (it passes the rounded row), so no store → barrier → reload: the MoE tail's
-    quantization took 3.6 µs that way on the H200 at 6 rows (session 9,
-    reports/benchmarks/h200-2026-12-01/session9/exp_quant_call9.log); the tails and the
-    attention combine all quantize from registers now."""
+    quantization took 3.6 µs that way on the H200 at 6 rows
+    (reports/benchmarks/h200-2026-12-01/session9/exp_quant_call9.log); the tails and the
+    attention combine all quantize from registers."""
     grp = tl.arange(0, GROUPS)
     col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
     # columns ≥ cols and padding rows as 0 (never stored; a padding row holds NaN: no evidence)

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the production kernels (issue 7: fixed costs).
+"""Programmatic dependent launch (PDL) for the production kernels: less fixed cost per launch.
 
 A kernel launched with PDL may be scheduled before the kernel ahead of it on the stream has
 finished; only its `griddepcontrol.wait` waits for that kernel to complete and its stores to be
@@ -12,12 +12,13 @@ successor too early.
 
 No kernel calls `griddepcontrol.launch_dependents`, so a successor is released when its
 predecessor's programs have exited (the implicit trigger) rather than when they start. Measured
-in the rank round on the H200 (session 7, `python -m benchmarks.rank --pdl ab --widths 6
---contexts 1K 64K --reps 3`): with the early trigger at the top of every kernel PDL cost +0.4 %
+in the rank round on the H200 (`python -m benchmarks.rank --pdl ab --widths 6 --contexts 1K 64K
+--reps 3`; reports/benchmarks/h200-2026-11-30/session7/rank_pdl_trigger_call7.log and
+rank_pdl_waitonly_call8.log): with the early trigger at the top of every kernel PDL cost +0.4 %
 (1K) and +1.4 % (64K) — the waiting successors' programs hold SM slots the primary still needs —
 and without it PDL saved 0.9 % (11.092 → 10.995 ms at 1K, 11.743 → 11.643 ms at 64K). A trigger
 pays only after work that does not depend on the predecessor (e.g. weight prefetch before the
-wait), which no kernel does yet.
+wait), which no kernel here does.
 
 Kernels launched without PDL (torch ops between ours) release their successor at completion as
 usual, so a PDL kernel after one starts after it.

@@ -21,8 +21,9 @@ Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is rea
      t of gate and of up over K split j (hidden blocks [j·KB, (j+1)·KB) of 128 columns) for
      every live row routed to e and writes both, FP32, to part[j] of each such slot. The K
      split gives KS × more programs, each streaming KS × fewer bytes: a program streaming a
-     whole BN-channel tile over H (2·32·3072 B) was latency-bound (H200, session 9: gate/up +
-     SiLU 26.4 → 17.7 µs at 6 rows with 35 distinct experts, 25.6 → 12.3 µs at 1 row).
+     whole BN-channel tile over H (2·32·3072 B) is latency-bound (H200, gate/up + SiLU without
+     → with the split: 26.4 → 17.7 µs at 6 rows with 35 distinct experts, 25.6 → 12.3 µs at 1
+     row; reports/benchmarks/h200-2026-12-01/session9/exp_router_moe_call2.log).
   3. SiLU: grid (S,): a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order (fixed: no
      atomics, the same bits every call), then quantized per slot per 128 columns for down
      (or stored FP32 by the stage-1 API). The 128-column groups span several channel tiles,

@@ -51,12 +51,12 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     Channel tiles change no accumulation order (each output element sums over K the same way),
     so only the split changes bits, within the tolerance rows; CPU tests still cover tiles and
     splits through explicit configs.
-    device_type "cuda": chosen on the H200 (session 9,
-    reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
+    device_type "cuda": chosen on the H200
+    (reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
     streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
     split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
     21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
-    µs for session 2's pinned 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
+    µs for 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
     40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
     if device_type == "cpu":
         return MoeLaunch(

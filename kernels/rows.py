@@ -10,8 +10,9 @@ logit is still one dot product in a fixed order, whatever the other rows.
   silu_mul_rows  act = bf16(silu(g) · u) of layer 0's dense FFN.
   route_rows     the draft's FP32 router on a BF16 input: softmax → top-k (ties: lower index) →
                  renormalize (reference.ops.route), by kernels/tail_router.py `_route_kernel`.
-                 (One program per row read the whole 3 MB router each: 185 µs per call at the
-                 IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round — session 6.)
+                 (One program per row reading the whole 3 MB router each costs 185 µs per call
+                 at the IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round:
+                 reports/benchmarks/rank-h200/earlier-9fb341f/record.json.)
 Twins: reference.ops.rms_norm / route and the torch expressions of reference/model.py, applied
 one row at a time by iquestrt/ops.py TwinOps. Rounding points as there; bf16 stores round to
 nearest even by hand (the interpreter's cast truncates), 1/sqrt and means use IEEE division.

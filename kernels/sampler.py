@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -41,6 +40,7 @@ from kernels.sampler_checks import (
 from kernels.sampler_kernels import _COMPILE, _exp_kernel, _merge_kernel, _scan_kernel
 from kernels.sampler_values import DeviceSampling
 from reference.config import SamplingDefaults
+from reference.op_types import SampleOut
 from reference.rng import Purpose
 
 MAX_TOP_K = 64
@@ -75,12 +75,6 @@ def sampler_launch(shard_vocab: int) -> SamplerLaunch:
 
 
 # --- wrappers ---------------------------------------------------------------------------------
-
-
-class SampleOut(NamedTuple):
-    tokens: torch.Tensor  # [R] int64, the drawn token of each live row
-    ids: torch.Tensor  # [R, W] int64, served candidates in draw order (served desc, id asc)
-    probs: torch.Tensor  # [R, W] fp32 served probabilities, 0 after the kept prefix
 
 
 def _check_params(params: SamplingDefaults, vocab: int) -> int:

@@ -43,7 +43,7 @@ from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
 from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
-from reference.tails import AttnTailOut, MoeTailOut
+from reference.op_types import AttnTailOut, MoeTailOut
 
 # a TP8 O-projection ring holds 8 ranks × S split-K partials (24 at the IQuest-Q1 rank shape,
 # S = 3; found by `bench round --tp 2` on two H200s); the sum is unrolled, one load each

@@ -22,8 +22,6 @@ draft in its support, or NaN probabilities, give unspecified results (the twin r
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -31,6 +29,7 @@ import triton.language as tl
 from kernels.launch import launch_opts, pdl_enter
 from kernels.sampler_checks import seed_args
 from kernels.sampler_kernels import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
+from reference.op_types import VerifyOut
 
 MAX_DRAFTS = 15
 MAX_WIDTH = 64
@@ -117,13 +116,6 @@ def _verify_kernel(
     tl.store(bonus_ptr, bonus.to(tl.int32))
     emit = tl.where(j < a, d, tl.where(j == a, tok, -1))
     tl.store(emit_ptr + j, emit, mask=j <= D)
-
-
-class VerifyOut(NamedTuple):
-    n_accepted: torch.Tensor  # [1] int32
-    next_token: torch.Tensor  # [1] int64: the replacement, or the bonus token
-    bonus: torch.Tensor  # [1] int32: 1 when every live draft was accepted
-    emitted: torch.Tensor  # [D+1] int64: accepted drafts, next_token, then -1
 
 
 def _fail(msg: str):

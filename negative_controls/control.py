@@ -35,7 +35,9 @@ def patched(owner, **attrs):
 
 
 def gated(run, mutant) -> Callable[[bool], tuple[bool, list[str]]]:
-    """A Control's run: the gate `run()` → (ok, margin, evidence) as is, or inside `mutant()`."""
+    """A Control's run: the gate `run()` → (ok, margin, evidence) as is, or inside `mutant()`.
+    Its `baseline` attribute is `run` itself: controls gated by the same run share one unmutated
+    run (negative_controls/run.py runs it once)."""
     def gate(mutated: bool):
         if not mutated:
             ok, _, ev = run()
@@ -44,4 +46,5 @@ def gated(run, mutant) -> Callable[[bool], tuple[bool, list[str]]]:
             ok, _, ev = run()
         return ok, ev
 
+    gate.baseline = run
     return gate

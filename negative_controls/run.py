@@ -67,6 +67,17 @@ def _safe(run, mutated: bool) -> tuple[bool, list[str]]:
         raise ControlBroken(f"{type(e).__name__}: {e}") from e
 
 
+def _baseline(c, memo: dict) -> tuple[bool, list[str]]:
+    """The control's unmutated run; run once for all controls whose `run.baseline` is the same
+    gate run (their unmutated runs are that one call, and every gate is deterministic)."""
+    key = getattr(c.run, "baseline", None)
+    if key is None:
+        return _safe(c.run, False)
+    if key not in memo:
+        memo[key] = _safe(c.run, False)
+    return memo[key]
+
+
 class ControlBroken(Exception):
     """A mutated run crashed outside the runtime's and the gates' own checks."""
 
@@ -84,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown controls {unknown}; choose from {[c.name for c in ALL]}")
     kernel_controls.prepare([c.name for c in controls], a.jobs)
     rows, failed = [], False
+    baselines: dict = {}  # a gate run shared by several controls (Control.run.baseline) → result
     for i, c in enumerate(controls, 1):
         t0 = time.perf_counter()
-        base_ok, base_ev = _safe(c.run, False)
+        base_ok, base_ev = _baseline(c, baselines)
         try:
             mut_ok, mut_ev = _safe(c.run, True) if base_ok else (True, ["baseline failed"])
         except ControlBroken as e:

@@ -67,7 +67,7 @@ def _c(name, V, D, T, k, p, seed, scale=2.0, noise=0.8, x0=0) -> MarkovCase:
 
 
 # Temperature, top-k, top-p and their combinations over D = 1…7; every case ends in a bonus
-# and in a replacement with probability >= MIN_PATH (tests/test_distribution_gate.py).
+# and in a replacement with probability >= MIN_PATH (tests/qualification/test_distribution_gate.py).
 CASES: tuple[MarkovCase, ...] = (
     _c("d1-plain", 6, 1, 1.0, 6, 1.0, 11, noise=1.2),
     _c("d2-temp0.7", 6, 2, 0.7, 6, 1.0, 12, 2.0, 1.0, 2),

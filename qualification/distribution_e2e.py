@@ -19,7 +19,7 @@ accepted then rejected, all accepted with a bonus).
 The requests and the law's forwards run on a RowMemo of the model (reference/row_memo.py): every
 request has the same prompt and at most 3 candidates per token, so almost every row a request
 needs was computed for an earlier one; the memo computes each distinct row once and gives the
-plain model's bits (tests/test_row_memo.py compares the tokens with plain requests).
+plain model's bits (tests/reference/test_row_memo.py compares the tokens with plain requests).
 
 Dimension letters: V vocabulary, H tokens per outcome, N requests.
 """

@@ -2,7 +2,7 @@
 
 The gates are independent and each is deterministic in one process with one thread, so running
 them side by side changes no verdict and no bit: every gate runs in a fresh Python process
-(`python -m qualification.gate_pool NAME [qualify options]`), which builds its own models, runs
+(`python -m qualification.gate_child NAME [qualify options]`), which builds its own models, runs
 the one gate with torch on one thread and prints its GateResult as the last line of its output,
 after RESULT_TAG. The parent forwards each process's output lines prefixed with the gate's name
 (long gates show progress), waits at most `timeout_s` for each, and turns a process that exits
@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import asdict
 
 from qualification.gates import FAIL, GateResult
 
@@ -53,7 +52,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _run_one(name: str, options: Sequence[str], timeout_s: float, say: Callable[[str], None],
              live: set[subprocess.Popen]) -> GateResult:
-    cmd = [sys.executable, "-m", "qualification.gate_pool", name, *options]
+    cmd = [sys.executable, "-m", "qualification.gate_child", name, *options]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     # its own process group: a kill reaches what it started too (compilers holding the pipe)
@@ -130,26 +129,3 @@ def run(names: Sequence[str], options: Sequence[str], jobs: int, timeout_s: floa
         raise
     pool.shutdown(wait=True)
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """One gate in this process: `python -m qualification.gate_pool NAME [qualify options]`."""
-    from qualification import qualify
-    from qualification.gate_models import _models
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in qualify.GATE_NAMES:
-        print(f"gate_pool: name one gate of {', '.join(qualify.GATE_NAMES)}", file=sys.stderr)
-        return 2
-    name, q = argv[0], qualify.parse(argv[1:])
-    import torch
-
-    torch.set_num_threads(1)
-    res = qualify.run_gate(dict(zip(qualify.GATE_NAMES, qualify.GATES, strict=True))[name], q,
-                           _models(q))
-    print(RESULT_TAG + json.dumps(asdict(res)), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

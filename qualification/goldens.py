@@ -6,15 +6,15 @@ differing round named. Updating them is explicit and records why:
 Digests cover output tokens, per-round drafts, acceptance counts and bonus flags — the values a
 scheduling change must preserve. Logit bits are left out on purpose. The tokens depend on the
 reference's float arithmetic, which is FP64 rounded once per op (reference/ops.py), so they do not
-depend on the CPU's code path: tests/test_platform_bits.py computes them under MKL_CBWR,
-ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY variants and requires one set of digests. (With FP32
-GEMMs and exps they did: an AMX host and an AVX-512 host with the same torch build gave other
-BF16 digests.) Limits: the synthetic weights come from torch.randn, whose non-vectorized path
-(ATEN_CPU_CAPABILITY=default, no AVX2) draws other normals, so such a build gets other weights;
-and another torch build may still differ. For that case the file keeps optional per-platform
-entries (torch build and machine) beside the primary goldens; a run compares against its own
-platform's entry when there is one, else against the primary, and a mismatch on another platform
-says so and names the command that records that platform's goldens (explicit, with a reason):
+depend on the CPU's code path: tests/qualification/test_platform_bits.py computes them under
+MKL_CBWR, ONEDNN_MAX_CPU_ISA and ATEN_CPU_CAPABILITY variants and requires one set of digests.
+(With FP32 GEMMs and exps they did: an AMX host and an AVX-512 host with the same torch build
+gave other BF16 digests.) Limits: the synthetic weights come from torch.randn, whose non-vectorized
+path (ATEN_CPU_CAPABILITY=default, no AVX2) draws other normals, so such a build gets other weights;
+and another torch build may still differ. For that case the file keeps optional per-platform entries
+(torch build and machine) beside the primary goldens; a run compares against its own platform's
+entry when there is one, else against the primary, and a mismatch on another platform says so and
+names the command that records that platform's goldens (explicit, with a reason):
 
     python -m qualification.goldens --update --this-platform --why "torch 2.15 build"
 

@@ -236,25 +236,22 @@ class Lockstep:
                           "bf16" if g.dtype == torch.bfloat16 else "fp32")
         return got
 
-    def draft_entry(self, *a):
+    def draft_entry(self, src, live, norms, eh_out, pos_out):
         self.layer = "draft"
-        eh, pos = a[-2], a[-1]
-        got = self.k.draft_entry(*a)
-        want = self.t.draft_entry(*a[:-2], eh.clone(), pos.clone())
-        n = a[6].n
+        got = self.k.draft_entry(src, live, norms, eh_out, pos_out)
+        want = self.t.draft_entry(src, live, norms, eh_out.clone(), pos_out.clone())
+        n = live.n
         self._cmp(got[0][:n], want[0][:n], "kernels.rows.norm", "bf16")
         self._cmp(got[1], want[1], "kernels.draft_entry.positions", "int32")
         return got
 
-    def eh_proj(self, *a):
+    def eh_proj(self, src, live, norms, w, pos):
         """Fused entry + projection == the kernel entry launch then the kernel linear, bit for
         bit (each of those compared with its twin as above)."""
-        src, w, pos = a[:-2], a[-2], a[-1]
-        live, embed = a[6], a[7]
-        got = self.k.eh_proj(*a)
-        eh = torch.zeros(pos.shape[0], 2 * embed.shape[1], dtype=torch.bfloat16,
+        got = self.k.eh_proj(src, live, norms, w, pos)
+        eh = torch.zeros(pos.shape[0], 2 * norms.embed.shape[1], dtype=torch.bfloat16,
                          device=pos.device)
-        _, want_pos = self.draft_entry(*src, eh, pos.clone())
+        _, want_pos = self.draft_entry(src, live, norms, eh, pos.clone())
         want = self.linear_bf16_f32(eh, w, live, torch.bfloat16)
         self._cmp(got[0][: live.n], want[: live.n], "kernels.eh_proj.fused", "bf16")
         self._cmp(got[1], want_pos, "kernels.draft_entry.positions", "int32")

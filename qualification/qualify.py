@@ -1,7 +1,7 @@
 """`python -m qualification.qualify`: run the gates, print the gate table, write reports.
 
-Exit status: 0 when every built gate passes, 1 when one fails. Gates of issue 5 that are not
-built yet appear in the table as "not built" — they are never counted as passes.
+Exit status: 0 when every built gate passes, 1 when one fails. A gate that is not built
+appears in the table as "not built" and is never counted as a pass.
 
 Models: gates 0 and 1 run on `--model` (default mini: models/mini and real prompts from its
 request sets, longer than its target window 128 so sliding layers wrap; tiny: the synthetic
@@ -226,9 +226,10 @@ def gate_runtime(q: QualifyConfig, models: GateModels) -> GateResult:
 
 
 def gate_stability(q: QualifyConfig, models: GateModels) -> GateResult:
-    """Candidate: the folded-router BF16 mode (the runtime's numerical change), until issue 4.
-    The verdict is the tiny model's; on mini the same check is reported (stability.py says why
-    the per-position band cannot pass a legal rounding change there)."""
+    """Candidate: the reference's folded-router BF16 mode (the runtime's numerical change; gate
+    1 compares the runtime itself). The verdict is the tiny model's; on mini the same check is
+    reported (stability.py says why the per-position band cannot pass a legal rounding change
+    there)."""
     tiny = models if models.name == "tiny" else _tiny(q)
     fold = ReferenceModel(tiny.refs["bf16"].cfg, tiny.params, "bf16-fold")
 
@@ -254,8 +255,8 @@ def gate_stability(q: QualifyConfig, models: GateModels) -> GateResult:
 
 
 def gate_rings(q: QualifyConfig, models) -> GateResult:
-    """On the kernels' rings (kernels/kv_cache.py + kernels/attention.py); the runtime's caches
-    join when the engine lands (issue 4)."""
+    """On the kernels' rings (kernels/kv_cache.py + kernels/attention.py); the engine's caches
+    are gate 4b's (engine_cache_gate.py)."""
     ok, evidence = ring_gate.run()
     return GateResult("4 ring boundaries", PASS if ok else FAIL, "exact windows", evidence)
 

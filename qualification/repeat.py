@@ -1,7 +1,7 @@
 """`python -m qualification.repeat --runs 20 [--quick] --out reports/qualify/repeat.md`: run
 `qualify` N times in a row, each in its own process, and record whether every run gave the same
-verdict and margin for every gate (issue 5: the statistical gates have fixed seeds, so the suite
-never flakes). Each run's table is read from its qualify.json. The record is written only after
+verdict and margin for every gate (the statistical gates have fixed seeds, so the suite never
+flakes). Each run's table is read from its qualify.json. The record is written only after
 the last run (to a temporary name, then renamed): an interrupted series leaves no record.
 
 Exit status: 0 when all runs agree (whatever the verdicts), 1 when any gate's verdict or margin

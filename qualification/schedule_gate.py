@@ -1,15 +1,15 @@
-"""Gate 3e — scheduling pairs on the GPU (issue 5, gate 3): launching the same request eagerly,
-as one CUDA graph per round from the host loop, or as the device loop (a WHILE graph node), with
-the log read every round, every few rounds, once, or per streamed chunk, rerunning it, and each
-launch mode with programmatic dependent launch, must give the same bits: output tokens, every
-round's drafts / q(y) / entropies / acceptance / depth and a digest of every cache after the
-request. Fixed depth 3 and the model's fitted adaptive
+"""Gate 3e — scheduling pairs on the GPU (bit-exactness, gate 3): launching the same request
+eagerly, as one CUDA graph per round from the host loop, or as the device loop (a WHILE graph
+node), with the log read every round, every few rounds, once, or per streamed chunk, rerunning
+it, and each launch mode with programmatic dependent launch, must give the same bits: output
+tokens, every round's drafts / q(y) / entropies / acceptance / depth and a digest of every cache
+after the request. Fixed depth 3 and the model's fitted adaptive
 policy (its later depths in IF nodes under graphs, 0-row kernels when eager) on the mini model
 with compiled kernels.
 
 GPU only: graphs and conditional nodes do not exist on the CPU, and this gate never pretends to
 test them there (verdict "GPU only", not a pass). The same pairs run in the GPU pytest suites
-(tests/test_engine_graphs.py, tests/test_engine_device_loop.py).
+(tests/engine/test_engine_graphs.py, tests/engine/test_engine_device_loop.py).
 """
 
 from __future__ import annotations

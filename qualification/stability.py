@@ -10,10 +10,11 @@ amplifies it. Per earlier position p:
   pass(p) ⇔ cand(p) ≤ m · band(p) + floor
 
 with rel_rms(x, y) = rms(x − y) / rms(y) over the vocabulary logits — the fp64-arbitrated
-check of QUALIFICATION.md §3 (candidate error ≤ m × reference error), the reference error taken
-as its whole envelope under appends. The band is never derived from a candidate's own error.
-Until the runtime exists (issue 4) the candidate is the reference with the router folded into
-the attention tail ("bf16-fold"), which is exactly the numerical change the runtime makes.
+check of PyTorch's accuracy checker, torch._dynamo.utils.same (candidate error ≤ m × reference
+error), the reference error taken as its whole envelope under appends. The band is never derived
+from a candidate's own error. The candidate is the reference with the router folded into the
+attention tail ("bf16-fold"), exactly the numerical change the runtime makes (gate 1 compares
+the runtime itself with the references).
 
 Model: qualify runs this gate's verdict on the synthetic tiny model (random prompts). On the
 trained mini model the per-position criterion cannot pass a legal rounding change: its BF16

@@ -153,7 +153,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "same mechanism and band as reference.verify_vs_decode[bf16]",
         "decode rows that see one key too many (window + 1)",
     ),
-    # --- reference ops vs float64/mpmath oracles (tests/oracles.py) --------------------------
+    # --- reference ops vs float64/mpmath oracles (tests/helpers/oracles.py) -------------------
     # fp32 rows: a few FP32 roundings per output (u32 = 2^-24), measured ≤ 5e-7 everywhere;
     # bf16 rows: inputs already on the BF16 grid, so the final rounding (u = 2^-8) dominates.
     Tolerance(
@@ -318,7 +318,7 @@ _ROWS: tuple[Tolerance, ...] = (
         1.5e-6,
         "vs the exact rational norm(max(p - q, 0)) of the same fp32 p, q: one subtraction (e), "
         "a sequential sum of <= 16 terms (15e), one division (e): 17e ~= 1.0e-6 relative",
-        "residual not renormalized (tests/test_rejection.py mutant)",
+        "residual not renormalized (tests/reference/test_rejection.py mutant)",
     ),
     Tolerance(
         "reference.emitted_token_law",
@@ -329,14 +329,14 @@ _ROWS: tuple[Tolerance, ...] = (
         "p/sum(p): grid and fl(u*Z) boundary shifts, sequential-sum roundings and sum(p) != 1 "
         "give <= (n^2 + 16n + 32)e absolute per token, ~2.2e-5 at n = 12, relative to "
         "max p >= 1/n: 2.6e-4. Typical measured error is ~1e-7",
-        "exact-match acceptance, replacement from p (tests/test_rejection.py), >= 1e-2",
+        "exact-match acceptance, replacement from p (tests/reference/test_rejection.py), >= 1e-2",
     ),
     # --- runtime vs reference (gate 1) ---------------------------------------------------------
     Tolerance(
         "runtime.vs_matched", "twins", 0.0, 0.0,
         "the runtime's twins ops compose the same reference twins, row by row, in the order of "
         "reference Precision 'matched': the logits are the same bits",
-        "the runtime without FP8 activation quantization (bf16-fold): tests/test_engine.py",
+        "the runtime without FP8 activation quantization (bf16-fold): tests/engine/test_engine.py",
     ),
     Tolerance(
         "runtime.rounding_noise", "fp32", 2.0**-21, 2.0**-21 / 3**0.5,
@@ -350,7 +350,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "a missing sink, an activation-quantizer scale off by ≥ 0.25 % in one layer (H200): "
         "qualification/gate1_power.py",
     ),
-    # --- kernels (issue 3) ------------------------------------------------------------------
+    # --- kernels ----------------------------------------------------------------------------
     # kernels/fp8 rows
     Tolerance(
         "kernels.fp8.quantize_act",
@@ -421,7 +421,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "qual5",
         1e-3,
         1e-3,
-        "QUALIFICATION.md §5 bar for FP8 GEMMs: 1 − 2⟨x,y⟩/(|x|²+|y|²) in fp64 must stay below "
+        "the qualification bar for FP8 GEMMs: 1 − 2⟨x,y⟩/(|x|²+|y|²) in fp64 must stay below "
         "max_rel (= rms_rel) for every output row, kernel bf16 output vs ops.moe in FP32 on "
         "dequantized weights; "
         "evaluated by test_moe.py::qual5_metric, not by check()",
@@ -536,7 +536,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "kernels.quantize_act", "fp32", 0.0, 0.0,
         "the scales of that quantization (amax / 448 per row and 128-column group, 1 for an "
         "all-zero group) are bit-exact for the same reason",
-        "scales doubled (tests/test_engine_kernels.py::test_kernels_checks_are_sensitive)",
+        "scales doubled (tests/engine/test_engine_kernels.py::test_kernels_checks_are_sensitive)",
     ),
     Tolerance(
         "kernels.draft_entry.positions", "int32", 0.0, 0.0,
@@ -724,7 +724,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "max|q| after RoPE; rms of one flip in ≥ 1024 elements ≲ 1e-3",
         "same broken variants as kernels.qk_rope (each ≥ 3e-2 of max|q|) — test_qk_rope.py",
     ),
-    # --- training (issue 6) -----------------------------------------------------------------
+    # --- training ---------------------------------------------------------------------------
     Tolerance(
         "training.target_vs_reference", "fp32",
         1e-5, 5e-6,
@@ -747,7 +747,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "this round's deeper keys replaced by depth-0 keys (each ≥ 1e-2) — "
         "tests/training/test_model_matches_reference.py",
     ),
-    # --- per-rank round benchmark baseline (issue 7, benchmarks/rank) ------------------------
+    # --- per-rank round benchmark baseline (benchmarks/rank) ---------------------------------
     Tolerance(
         "bench_rank.baseline_vs_reference", "bf16",
         8e-2, 6e-2,
@@ -758,7 +758,7 @@ _ROWS: tuple[Tolerance, ...] = (
         "expert. Measured on small_rank_config (8 layers, 48 experts, 24 rows, 8 seeds × both "
         "expert modes): worst 3.1e-2 max / 2.6e-2 rms",
         "attention without the sink key (0.79 / 0.72); ffn_out_scale dropped (0.65 / 0.52) — "
-        "tests/bench_rank/test_rank_baseline.py",
+        "tests/benchmarks/rank/test_rank_baseline.py",
     ),
 )
 

@@ -33,7 +33,7 @@ import torch
 from iquestrt.ops import Live
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.sampling import EMPTY, key_ids, key_values, key_width, make_sharded_sampler
-from kernels.sampler import SampleOut
+from reference.op_types import SampleOut
 
 RANK_TIMEOUT_S = 60.0  # TPGroup needs a bound; no collective runs here
 

@@ -230,7 +230,8 @@ class TargetConfig:
 
 @dataclass(frozen=True)
 class RankShapes:
-    """Per-rank shapes under tensor parallelism of degree `tp` (ARCHITECTURE.md's TP8 table)."""
+    """Per-rank shapes under tensor parallelism of degree `tp` (IQuest-Q1 at TP8: 6 query heads
+    and 1 KV head, experts of 1536 / 8 = 192 channels, vocabulary 160 000 / 8 = 20 000 rows)."""
 
     tp: int
     q_heads: int
@@ -456,8 +457,8 @@ DRAFT_READ = (
     "rope_parameters",
     "rope_scaling",
     "softmax_scale",
-    # The draft's attention and embedding shapes are the target's (ARCHITECTURE.md); the public
-    # draft config carries copies, each checked against config.json.
+    # The draft's attention and embedding shapes are the target's (IQuest-Q1's MTP layer); the
+    # public draft config carries copies, each checked against config.json.
     "hidden_size",
     "vocab_size",
     "num_attention_heads",

@@ -243,15 +243,16 @@ def legal_param(x: float) -> float:
 
 POLICY_FILE = "depth_policy.json"
 FORMAT = "iquestrt.depth_policy"
-DEFAULT_FIXED = 5  # without a depth_policy.json: ARCHITECTURE.md's recommended MTP depth
+DEFAULT_FIXED = 5  # without a depth_policy.json: IQuest-Q1's recommended MTP depth (8×H200, TP8)
 
 
 def default_adaptive() -> AdaptiveDepth:
     """The unfitted prior for `policy_from_spec("adaptive")` when no depth_policy.json ships:
     a calibrated draft's guess s_j = cum·q_j of P(drafts 1 … j+1 accepted), against the
     threshold 1/8 ≈ 3.24 tokens per round (seed report) × a depth costing ~4% of a round (a
-    guess from PERFORMANCE.md: one lm_head shard + one layer + a sampler per depth). Not fitted
-    to anything: fit a real one with reference.depth_fit and save it with the checkpoint."""
+    guess from the round's memory floor: one lm_head shard + one layer + a sampler per depth).
+    Not fitted to anything: fit a real one with reference.depth_fit and save it with the
+    checkpoint."""
     row = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
     return AdaptiveDepth((row,) * (MAX_DEPTH - MIN_DEPTH), 0.125)
 

@@ -8,8 +8,8 @@ of FP32 (or BF16) inputs is exact and a sum's rounding error is ~2⁻⁵³ relat
 the result is the correctly rounded value on any code path, except when the exact value sits
 within that error of an FP32 rounding midpoint (a chance of about K·2⁻²⁹ per output of a K-term
 sum, ~1e-7 at K = 64, and such a one-ulp difference must then also change a token). In FP32 every
-output differed between code paths. tests/test_platform_bits.py holds the golden digests equal
-under the MKL / oneDNN / ATen settings that change FP32 results.
+output differed between code paths. tests/qualification/test_platform_bits.py holds the golden
+digests equal under the MKL / oneDNN / ATen settings that change FP32 results.
 
 Dimension letters: R rows (tokens), L keys in range, H hidden, Hq query heads, Hkv KV heads,
 D head dim, E experts, K top-k, I expert intermediate, V vocabulary.

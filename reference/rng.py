@@ -12,7 +12,7 @@ counter words uses key (k0, k1) = (seed & 0xffffffff, seed >> 32) — exactly ou
 
 reproduces `uniforms(seed, positions, purpose, index)`. (`tl.randint4x(seed, offset)` is the
 special case counter = (offset_lo, offset_hi, 0, 0); it cannot carry our purpose/index words.)
-The round function is the Random123 one (its `kat_vectors` pass, see tests/test_rng.py).
+The round function is the Random123 one (its `kat_vectors` pass, see tests/reference/test_rng.py).
 
 u = (x >> 8) · 2⁻²⁴ takes the top 24 bits of the first output word: every value k·2⁻²⁴,
 k ∈ [0, 2²⁴), is exactly representable in fp32, so u ∈ [0, 1) with no rounding anywhere.

@@ -7,7 +7,7 @@ so a wrong or missing key barely moves outputs; gain 1.5 gives std ≈ 2.25 and 
 ≈ 0.55–0.8 with some sharp rows; sink keys with rms 2 so the sink logit s is of the order of the
 attention log-sum-exp L (the sink then matters); router logits with std ≈ 2 (routing neither
 uniform nor collapsed); lm_head logits with std ≈ 3 (sampling has real entropy but is not flat).
-`tests/test_synthetic.py` checks these properties layer by layer.
+`tests/reference/test_synthetic.py` checks these properties layer by layer.
 """
 
 from __future__ import annotations

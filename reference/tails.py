@@ -27,31 +27,12 @@ K top-k.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from reference import ops
+from reference.op_types import AttnTailOut, MoeTailOut
 
 NAN = float("nan")
-
-
-@dataclass
-class AttnTailOut:
-    h: torch.Tensor  # [R, H] bf16 residual carried to the MoE tail
-    f_in: torch.Tensor  # [R, H] bf16 expert input
-    ids: torch.Tensor | None = None  # [R, K] int32, (probability desc, index asc); −1 on failure
-    weights: torch.Tensor | None = None  # [R, K] fp32, renormalized over the top K
-    fq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(f_in), when the tail quantizes
-    sf: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
-
-
-@dataclass
-class MoeTailOut:
-    xn: torch.Tensor  # [R, H] bf16 next layer's normalized input (or the final hidden state)
-    x: torch.Tensor | None = None  # [R, H] bf16 layer output (optional)
-    xq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(xn), when the tail quantizes
-    sx: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
 
 
 def n_live_of(n_live, rows: int) -> int:

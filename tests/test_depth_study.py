@@ -19,8 +19,8 @@ from reference.depth import AdaptiveDepth, FixedDepth
 from reference.depth_fit import CostModel
 from reference.model import ReferenceModel
 from reference.speculative import ReferenceGenerator
-from tests.test_engine_setup import make_ckpt, rounds_key
-from training.depth_study import StudyConfig as Cfg
+from tests.helpers.engine_setup import make_ckpt, rounds_key
+from training.depth_study_config import StudyConfig as Cfg
 from training.depth_study_prompts import Prompt, check_disjoint, heldout_prompts, train_prompts
 from training.depth_study_runs import SharedPrefill, run_pairs
 from training.depth_study_stats import (
@@ -117,6 +117,7 @@ def test_eval_prompts_are_held_out_and_disjoint(split, tok):
 # --- shared prefill and pairing ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_shared_prefill_decodes_bit_identically(model, prompts, paired):
     rows, results, calls, shared = paired
     assert shared.hits > 0  # the cache was used, so the comparison below covers it

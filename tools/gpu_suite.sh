@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks of a device call, each phase bounded, logs under $1 (default $OUT/gpu_suite):
 #   goldens   the CPU reference digests on this host (python -m qualification.goldens and
-#             tests/test_platform_bits.py: the same bits as the CI machines')
+#             tests/qualification/test_platform_bits.py: the same bits as the CI machines')
 #   n4        pytest -m gpu on 4 workers sharing the GPU
 #   n4b       the same again (a second order of the same tests)
-#   capture   tests/test_capture.py (a collection inside a capture, with and without the pause)
+#   capture   tests/engine/test_capture.py (a collection inside a capture, with and without the pause)
 #   serial    pytest -m gpu on one worker
 #   gates1    qualify --only lockstep runtime (gate 1b and gate 1 on the kernels)
 #   power     python -m qualification.gate1_power --prompts 1 (planted defects through gate 1)
@@ -13,7 +13,7 @@
 #   kcontrols the kernel-level negative controls (compiled)
 #   controls  every negative control (python -m negative_controls.run, 4 gate processes)
 #   qualify   the full python -m qualification.qualify
-#   gate1test the GPU tests of tests/test_qualification.py (gate 1 on the kernels, missing sink)
+#   gate1test the GPU tests of tests/qualification/test_qualification.py (gate 1 on the kernels, missing sink)
 # Usage: bash tools/gpu_suite.sh DIR [PHASE ...]   (phases default to: goldens n4)
 set -uo pipefail
 out=${1:-$OUT/gpu_suite}; shift || true
@@ -29,13 +29,13 @@ for phase in $phases; do
   case $phase in
     goldens)
       timeout 120 python -m qualification.goldens 2>&1 | tee "$out/goldens.log"
-      timeout 240 python -m pytest -q -p no:cacheprovider tests/test_platform_bits.py 2>&1 \
+      timeout 240 python -m pytest -q -p no:cacheprovider tests/qualification/test_platform_bits.py 2>&1 \
         | tail -15 | tee -a "$out/goldens.log" ;;
     n4)
       timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
         --benchmark-disable 2>&1 | tee "$out/gpu_n4.log" ;;
     capture)
-      timeout 240 python -m pytest -q -p no:cacheprovider tests/test_capture.py 2>&1 \
+      timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_capture.py 2>&1 \
         | tail -5 | tee "$out/capture.log" ;;
     n4b)
       timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
@@ -65,7 +65,7 @@ for phase in $phases; do
       timeout 560 python -m qualification.qualify --out "$out/qualify" 2>&1 \
         | tee "$out/qualify.log" ;;
     gate1test)
-      timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_qualification.py \
+      timeout 300 python -m pytest -m gpu -q -p no:cacheprovider -rfE tests/qualification/test_qualification.py \
         2>&1 | tee "$out/gate1test.log" ;;
     *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac

@@ -26,7 +26,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -34,35 +34,11 @@ import torch
 from reference.depth import FixedDepth, load_policy, policy_to_json, save_policy
 from reference.depth_fit import fit
 from reference.model import ReferenceModel
+from training.depth_study_config import StudyConfig
 from training.depth_study_prompts import check_disjoint, heldout_prompts, train_prompts
 from training.depth_study_report import render
 from training.depth_study_runs import SharedPrefill, run_pairs
 from training.depth_study_stats import BENCH, FIXED, cost_from_benchmark, heldout_summary, verdict
-
-
-@dataclass(frozen=True)
-class StudyConfig:
-    fit_prompts: int = 12
-    fit_lo: int = 128  # fitting windows: tokens, at least / at most
-    fit_hi: int = 256
-    fit_seeds: tuple[int, ...] = (100, 101, 102)
-    fit_tokens: int = 64  # new tokens per fitting decode
-    eval_prompts: int = 9  # spread over the request kinds
-    eval_max_tokens: int = 256  # held-out prompts keep their last this many tokens
-    eval_seeds: tuple[int, ...] = tuple(range(10))
-    eval_tokens: int = 40
-    boot: int = 2000
-    boot_seed: int = 0
-
-    def validate(self) -> None:
-        for name in ("fit_prompts", "fit_lo", "fit_tokens", "eval_prompts", "eval_max_tokens",
-                     "eval_tokens", "boot"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"StudyConfig.{name}: must be >= 1, got {getattr(self, name)}")
-        if self.fit_hi < self.fit_lo:
-            raise ValueError(f"StudyConfig.fit_hi={self.fit_hi} < fit_lo={self.fit_lo}")
-        if not self.fit_seeds or not self.eval_seeds:
-            raise ValueError("StudyConfig: fit_seeds and eval_seeds must be non-empty")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from reference.depth_fit import CostModel, Evaluation, evaluate, records_from_ro
 from reference.speculative import GenerationResult
 
 if TYPE_CHECKING:
-    from training.depth_study import StudyConfig
+    from training.depth_study_config import StudyConfig
 
 FIXED = (3, 4, 5, 6, 7)
 REPO = Path(__file__).resolve().parents[1]

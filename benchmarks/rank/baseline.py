@@ -1,5 +1,5 @@
 """The round a user would otherwise write: straightforward BF16 torch at the same per-rank
-shapes (issue 7 item 5). Reference ops (reference/ops.py: rms_norm, attention with the sink key
+shapes. Reference ops (reference/ops.py: rms_norm, attention with the sink key
 and window masks, route) with BF16 GEMMs (F.linear), static KV caches (gpt-fast style: one
 [capacity, Hkv, D] tensor per layer, attention over the whole capacity with a position mask),
 experts either looped over the distinct ids (host sync per layer) or gathered ([R·K] weight

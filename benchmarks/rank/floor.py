@@ -1,4 +1,4 @@
-"""The memory floor of one speculative round on one rank (PERFORMANCE.md): the bytes the round
+"""The memory floor of one speculative round on one rank: the bytes the round
 must read from HBM ÷ the copy bandwidth measured in the same run. A pure function of the rank
 config, the round's shape and the routing actually seen; no device work.
 

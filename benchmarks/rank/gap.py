@@ -1,5 +1,5 @@
-"""What stands between a measured rank round and the issue's 1.5 × floor target, from a record's
-per-kernel breakdown (issue 7):
+"""What stands between a measured rank round and its 1.5 × floor target (record.TARGET_RATIO),
+from a record's per-kernel breakdown:
 
     python -m benchmarks.rank.gap reports/benchmarks/rank-h200/record.json [--context 1K]
 

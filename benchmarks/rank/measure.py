@@ -34,8 +34,8 @@ def family(name: str) -> str:
 
 
 def copy_bandwidth(device, gib: float = 2.0, reps: int = 10) -> float:
-    """Bytes/s of a large device-to-device copy, counting read + write (PLATFORM.md's
-    definition: ≈ 4.24e12 on the H200); median of `reps` CUDA-event-timed copies."""
+    """Bytes/s of a large device-to-device copy, counting read + write (≈ 4.24e12
+    on the H200); median of `reps` CUDA-event-timed copies."""
     n = int(gib * (1 << 30))
     src = torch.empty(n, dtype=torch.uint8, device=device)
     src.fill_(1)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.rank.main import REDUCES
+from benchmarks.rank.spec import REDUCES
 from iquestrt.ops import KernelOps, Live, TwinOps
 from iquestrt.tp.peer_ring import TPRings
 from iquestrt.weights import Fp8Linear, MoeWeights, Weights

@@ -44,7 +44,7 @@ def _find(rows: list[dict], ctx_name: str, policy: str) -> dict | None:
 
 
 def summarize(rec: dict) -> dict:
-    """The issue's targets from a record (None where the sweep did not cover a target)."""
+    """The TARGET_* targets from a record (None where the sweep did not cover a target)."""
     rows, bw = rec["configs"], rec["bandwidth"]
     head = f"W{rec['spec']['headline_width']}"
     out: dict = {"headline": None, "growth": None, "speedup": None}

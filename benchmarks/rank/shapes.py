@@ -21,7 +21,7 @@ import dataclasses
 from reference.config import ConfigError, DraftConfig, ModelConfig, TargetConfig, layer_pattern
 from reference.config import preset as model_preset
 
-TP = 8  # ARCHITECTURE.md: 8×H200, TP8
+TP = 8  # IQuest-Q1's recommended serving: 8×H200, TP8
 
 
 def rank_config(full: ModelConfig | None = None, tp: int = TP) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""The sweep (issue 7 items 1–5): weights, routing, bandwidth, every configuration timed through
+"""The sweep: weights, routing, bandwidth, every configuration timed through
 RankEngine, the floor of each, the per-kernel breakdown where asked, eager launches at the
 headline configuration, the BF16 torch baseline, then the record (benchmarks/rank/record.py).
 A configuration that fails prints its full traceback, is recorded with its error, and the sweep
@@ -20,10 +20,10 @@ from benchmarks.rank.baseline import baseline_params
 from benchmarks.rank.baseline_run import BaselineRound
 from benchmarks.rank.engine import RankEngine
 from benchmarks.rank.floor import RoundShape, floor_terms
-from benchmarks.rank.main import CONTEXTS, SweepSpec
 from benchmarks.rank.measure import copy_bandwidth, profile_round
 from benchmarks.rank.record import OUTPUT, write_record
 from benchmarks.rank.shapes import TP, rank_config
+from benchmarks.rank.spec import CONTEXTS, SweepSpec
 from benchmarks.rank.tp import TPBench, tp_bench
 from benchmarks.rank.traces import (
     MODES,

@@ -5,7 +5,7 @@ and the process group applies it to each collective, so a rank that never arrive
 others fail with TPError instead of hanging (gloo bounds each operation by it; NCCL's watchdog
 aborts a collective that outlives it, TORCH_NCCL_ASYNC_ERROR_HANDLING's default).
 
-NVLink multicast stays off on the shared multi-GPU hosts (spec/PLATFORM.md: it can take the
+NVLink multicast stays off on the shared multi-GPU hosts (it can take the
 host's GPUs out of service): `init_group` sets the three switches below before any process group
 exists, and refuses to run when one of them is already set to another value.
 
@@ -51,7 +51,8 @@ def disable_multicast(env: MutableMapping[str, str] | None = None) -> None:
         if have is not None and have != want:
             raise TPError(
                 f"tp.group: environment {name}={have!r}, but NVLink multicast must stay off on "
-                f"these hosts (spec/PLATFORM.md): unset it or set {name}={want}"
+                f"these hosts (it can take their GPUs out of service): unset it or set "
+                f"{name}={want}"
             )
     for name, want in MULTICAST_OFF:
         env[name] = want

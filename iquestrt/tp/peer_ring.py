@@ -1,4 +1,4 @@
-"""The partial-buffer ring of the fused all-reduce over peer memory (issue 8 (3)): each rank q
+"""The partial-buffer ring of the fused all-reduce over peer memory: each rank q
 owns B slots P_q[0..B) of [S, R, H] FP32 (S partials per rank: the O projection's split-K
 partials, or the experts' one) — in GPU symmetric memory, so that every peer can read them —
 and at reduction step t

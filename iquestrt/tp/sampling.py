@@ -1,4 +1,4 @@
-"""Sharded sampling without a token broadcast (issue 8): every rank holds the logits of its
+"""Sharded sampling without a token broadcast: every rank holds the logits of its
 vocabulary slice [R, Vs] (Vs = V/N), extracts its top-K order keys with global ids, the keys are
 all-gathered once ([R, KP] per rank → [R, N, KP]), and every rank runs the same final selection
 (global top-K, softmax, top-p, renormalization, draw) on the same gathered keys with the same
@@ -33,9 +33,9 @@ import torch
 from iquestrt.ops import Live, host_seed
 from iquestrt.tp.group import TPGroup, all_gather
 from kernels import sampler as k_sampler
-from kernels.sampler import SampleOut
 from kernels.sampler_values import DeviceSampling
 from reference.config import ConfigError, SamplingDefaults
+from reference.op_types import SampleOut
 from reference.rng import MASK32, Purpose
 from reference.sampling import SamplingError, order_desc
 from reference.sampling_twins import sample_ref

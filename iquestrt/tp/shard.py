@@ -2,7 +2,7 @@
 block-FP8 plan (iquestrt/tp/plan.py): its query heads and KV heads (QKV rows, sink keys, O
 projection columns), its channels of every expert and of the dense layer 0 (gate / up rows as
 paired halves, down / proj columns), its vocabulary rows of an E4M3 lm_head (a BF16 one is sliced
-plainly); router, norms and embeddings replicated. The draft stays whole (replicated) for now.
+plainly); router, norms and embeddings replicated. The draft is not cut: every rank holds it whole.
 
 The rank's ModelConfig has the rank's head counts, so caches, qk-norm/RoPE and attention run
 unchanged on `num_key_value_heads / N` heads.

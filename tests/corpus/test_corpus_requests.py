@@ -46,6 +46,7 @@ def test_counts_lengths_and_buckets(records, tok):
         assert max(Counter(r["path"] for r in rs).values()) <= spec.per_file_cap
 
 
+@pytest.mark.slow
 def test_sources_are_heldout_and_records_consistent(records, split, tok):
     held = {f.rel: f.sha256 for f in split.heldout}
     for r in records:
@@ -120,6 +121,7 @@ def test_load_errors(tmp_path):
         load_requests(tmp_path, "completion")
 
 
+@pytest.mark.slow
 def test_regeneration_reproduces_the_committed_files(tmp_path, split):
     m = write_requests(tmp_path, DEFAULT_TOKENIZER, DEFAULT_SPLIT)
     for name in [f"{k}.jsonl" for k in KINDS] + ["manifest.json"]:

@@ -83,6 +83,7 @@ def test_committed_tokenizer_is_standard_and_round_trips_heldout(tok, split):
     assert n_chars / n_tokens > 2.5, "an 8K code BPE should compress held-out source"
 
 
+@pytest.mark.slow
 def test_committed_tokenizer_is_the_train_split_retrained(tok, split, subset):
     retrained = train_tokenizer(f.text() for f in split.train)
     assert json.loads(retrained.to_str()) == json.loads(tok.to_str())

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tests.test_engine_setup import make_ckpt
+from tests.helpers.engine_setup import make_ckpt
 
 PROMPTS = ((5, 17, 300, 22, 9, 411, 78, 150, 3, 64, 200, 7), (40, 41, 42, 43, 44, 45, 46, 47, 48))
 

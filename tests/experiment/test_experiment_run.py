@@ -23,7 +23,7 @@ from iquestrt.experiment.signature import ProgramSignature, compare
 from iquestrt.experiment.summary import markdown, summarize
 from reference.config import preset
 from tests.experiment.conftest import PROMPTS
-from tests.test_engine_setup import SAMPLING
+from tests.helpers.engine_setup import SAMPLING
 
 BASE = RuntimeConfig(ops="twins", ring_pad=8, max_positions=64)
 CASES = tuple(PromptCase(f"p{i}", p) for i, p in enumerate(PROMPTS))
@@ -64,6 +64,7 @@ def _engines(tiny_dir, plan, clock=None):
     return engines
 
 
+@pytest.mark.slow
 def test_alternation_cancels_drift_that_forward_order_shows(tiny_dir):
     specs = (("control", "depth=3"), ("candidate", "depth=3"))
     plan = _plan(specs)
@@ -90,6 +91,7 @@ def test_alternation_cancels_drift_that_forward_order_shows(tiny_dir):
     assert c["accepted_diff"]["hi"] == 0.0  # acceptance is blind to the clock
 
 
+@pytest.mark.slow
 def test_a_replay_that_differs_stops_the_experiment(tiny_dir, monkeypatch):
     plan = _plan((("control", "depth=3"), ("candidate", "depth=2")))
     exp = Experiment(plan, _engines(tiny_dir, plan), log=lambda m: None)
@@ -107,6 +109,7 @@ def test_a_replay_that_differs_stops_the_experiment(tiny_dir, monkeypatch):
         exp.run()
 
 
+@pytest.mark.slow
 def test_program_signatures(tiny_dir):
     plan = _plan((("control", "depth=3"), ("candidate", "depth=5"), ("control′", "depth=3")),
                  seeds=(0,))
@@ -126,6 +129,7 @@ def test_program_signatures(tiny_dir):
     assert compare("cuda", a, a2)["graphs"].startswith("graphs off in both arms")
 
 
+@pytest.mark.slow
 def test_record_is_complete_and_written_atomically(tiny_dir, tmp_path, monkeypatch):
     plan = _plan((("control", "depth=3"), ("candidate", "depth=2")), seeds=(0,))
     out = tmp_path / "exp"
@@ -163,6 +167,7 @@ def test_record_is_complete_and_written_atomically(tiny_dir, tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"]
 
 
+@pytest.mark.slow
 def test_cli_experiment_with_aa_arm(tiny_dir, prompts_file, tmp_path, capsys):
     out = tmp_path / "cli"
     rc = main(["experiment", "--checkpoint", str(tiny_dir), "--prompts", str(prompts_file),
@@ -183,6 +188,7 @@ def test_cli_experiment_with_aa_arm(tiny_dir, prompts_file, tmp_path, capsys):
     assert rec["program_check"]["candidate vs control"]["programs_differ"] is True
 
 
+@pytest.mark.slow
 def test_snapshot_dir_saves_then_reuses(tiny_dir, tmp_path):
     plan = dataclasses.replace(_plan((("control", "depth=3"), ("candidate", "depth=2")),
                                      seeds=(0,)), snapshot_dir=tmp_path / "snaps")

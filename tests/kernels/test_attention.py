@@ -145,6 +145,7 @@ def test_matches_twin_and_history(device, name, width, n_live, where):
                 "bf16"))
 
 
+@pytest.mark.slow
 def test_full_cache_uses_many_splits(device):
     """The full-cache scene spreads over ≥ 5 splits, so every combine chain and its wrap
     (split 4 → chain 0) is exercised, and split LSEs differ by far more than the tolerance."""
@@ -208,6 +209,7 @@ MUTANTS = ["window+1", "window-1", "sink dropped", "sink of group g+1", "combine
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
+@pytest.mark.slow
 def test_broken_variants_fail(device, mutant):
     layout = LAYOUTS["ring16+8"]
     args = (_wrap_n(layout, 8), 8, 8, 11)
@@ -275,11 +277,13 @@ def _attended(scene: Scene, cache: LayerKV, *, launch=None) -> list[set[int]]:
 
 
 def _true_window(layout: KVLayout, t: int) -> set[int]:
-    """From the spec's sentence: a query at t sees t−W+1 … t (and nothing below start)."""
+    """From the window's definition (it counts the current token): a query at t sees t−W+1 … t
+    (and nothing below start)."""
     return {p for p in range(layout.start, t + 1) if layout.window is None or t - p < layout.window}
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.slow
 def test_visibility_equals_true_window(device, name):
     layout = LAYOUTS[name]
     scene = make_scene(layout, _wrap_n(layout, 8), 8, 7, seed=5, device=device)
@@ -291,6 +295,7 @@ def test_visibility_equals_true_window(device, name):
 
 
 @pytest.mark.parametrize("mutant", ["window+1", "window-1", "ring of exactly W slots"])
+@pytest.mark.slow
 def test_visibility_catches_mutants(device, mutant):
     layout = LAYOUTS["ring16+8"]
     if mutant == "ring of exactly W slots":
@@ -313,6 +318,7 @@ def test_visibility_catches_mutants(device, mutant):
 # --- bit-exact gates ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_padded_width_equals_exact_width(device):
     """6 live rows in an 8-row call (large finite garbage q, garbage positions in padding) equal
     a 6-row call bit for bit, and the padding rows of the NaN-poisoned output stay NaN."""
@@ -341,6 +347,7 @@ def _round(cache, never, gen, n, r, a, device, width=8):
 
 
 @pytest.mark.parametrize("pad, second_width", [(8, 8), (8, 1), (0, 1)])
+@pytest.mark.slow
 def test_rolled_back_ring_reads_like_never_rejected(device, pad, second_width):
     """A round of 8 rows is rejected (2 or 0 accepted), the next round writes and reads. Output
     must equal, bit for bit, a ring that never saw the rejected rows. pad 0 is the negative
@@ -472,6 +479,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     return stats
 
 
+@pytest.mark.slow
 def test_compiled_branches_build_for_sm90():
     """The interpreter runs the INTERPRET branches; this compiles the others (a fresh process:
     under TRITON_INTERPRET the decorated kernels are not compilable) and checks that the
@@ -487,6 +495,7 @@ def test_compiled_branches_build_for_sm90():
     assert "combine_hb1_quant" in stats  # the quantizing combine builds for sm_90 too
 
 
+@pytest.mark.slow
 def test_combine_quantizes_its_output(device):
     """attention(quant_out=…) fills quantize_act(out viewed [R, Hq·D]) bit for bit on the live
     rows and leaves padding rows alone; the output itself is unchanged; a launch whose programs

@@ -24,7 +24,7 @@ import torch
 from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
-from iquestrt.ops import KernelOps, Live, TwinOps
+from iquestrt.ops import EntryNorms, EntrySource, KernelOps, Live, TwinOps
 from iquestrt.weights import from_checkpoint
 from kernels.draft_entry import draft_entry
 from kernels.rows import norm_rows
@@ -32,8 +32,8 @@ from qualification.tolerances import check, measure, tolerance
 from reference import ops as ref_ops
 from reference.checkpoint import load_checkpoint
 from reference.depth import FixedDepth
+from tests.helpers.engine_setup import make_ckpt
 from tests.kernels.sm90 import fusion_counts
-from tests.test_engine_setup import make_ckpt
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -136,9 +136,9 @@ def _run_kernel(c: Case, tokens, hid, embed, enorm, hnorm):
 def _run_twin(c: Case, tokens, hid, embed, enorm, hnorm):
     eh, pos = _poisoned("cpu")
     tb, hb, pb = _bases(c, "cpu")
-    TwinOps(torch.device("cpu"), 1).draft_entry(tokens, tb, c.tok_max, hid, hb, pb,
-                                                 Live.of(c.n, "cpu"), embed, enorm, hnorm, EPS,
-                                                 eh, pos)
+    TwinOps(torch.device("cpu"), 1).draft_entry(
+        EntrySource(tokens, tb, c.tok_max, hid, hb, pb), Live.of(c.n, "cpu"),
+        EntryNorms(embed, enorm, hnorm, EPS), eh, pos)
     return eh, pos
 
 
@@ -202,8 +202,8 @@ def test_kernel_ops_entry_equals_kernel():
     eh, pos = _poisoned(DEV)
     tb, hb, pb = _bases(c, DEV)
     KernelOps(torch.device(DEV), 1).draft_entry(
-        tokens.to(DEV), tb, c.tok_max, hid.to(DEV), hb, pb, Live.of(c.n, DEV), embed.to(DEV),
-        enorm.to(DEV), hnorm.to(DEV), EPS, eh, pos)
+        EntrySource(tokens.to(DEV), tb, c.tok_max, hid.to(DEV), hb, pb), Live.of(c.n, DEV),
+        EntryNorms(embed.to(DEV), enorm.to(DEV), hnorm.to(DEV), EPS), eh, pos)
     assert torch.equal(eh.cpu()[: c.n], k_eh[: c.n]) and torch.equal(pos.cpu(), k_pos)
 
 
@@ -269,6 +269,7 @@ def _same_cache(a, b) -> bool:
 
 
 @pytest.mark.parametrize("ops", ["twins", "kernels"])
+@pytest.mark.slow
 def test_forward_entry_equals_forward_rows_on_gathered_operands(ckpt, ops):
     """A depth 0 with two catch-up rows then a depth 1, both ways, on two copies of a fresh draft
     cache: logits / hidden of live rows, positions and the cache bit for bit. State rows no live
@@ -331,6 +332,7 @@ SM90_ENTRY = dict(
               r"ld\.global"))
 
 
+@pytest.mark.slow
 def test_entry_compiles_for_sm90_with_ieee_norms():
     """As launched (enable_fp_fusion=False): IEEE div.rn / sqrt.rn in both norms, no approximate
     sqrt, no FMA; the same kernel with fusion on contracts (so the FMA count can fail)."""

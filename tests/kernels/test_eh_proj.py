@@ -57,6 +57,7 @@ def _pair(c, n_out, cfg, out_dtype=torch.bfloat16, swap_fused_norms=False, seed=
 
 @pytest.mark.parametrize("cfg_name", sorted(CONFIGS))
 @pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
+@pytest.mark.slow
 def test_fused_equals_entry_then_linear(c, cfg_name):
     n_out, cfg = CONFIGS[cfg_name]
     got, pos, want, want_pos = _pair(c, n_out, cfg)
@@ -143,6 +144,7 @@ SM90_EH_PROJ = dict(
               r"mma\.sync|wgmma"))
 
 
+@pytest.mark.slow
 def test_eh_proj_compiles_for_sm90_with_the_entry_rounding():
     """The IQuest rank launch (48 tiles × 3 splits of 16 blocks) builds for sm_90 as launched
     (enable_fp_fusion=False): the row norms with IEEE div.rn / sqrt.rn, no approximate sqrt, no

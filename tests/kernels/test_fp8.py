@@ -208,6 +208,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_fp8_kernels_compile_for_sm90():
     """Without a GPU: compile for sm_90 with Triton's ptxas; the act-quant divisions must be the
     IEEE-rounded div.rn.f32 (not div.full/div.approx) and the E4M3 cast a hardware cvt."""

@@ -114,6 +114,7 @@ _step = st.integers(1, WIDTH).flatmap(lambda r: st.tuples(st.just(r), st.integer
     steps=st.lists(_step, min_size=4, max_size=14),
     seed=st.integers(0, 2**16),
 )
+@pytest.mark.slow
 def test_random_rounds_match_twin_and_never_rejected(device, name, n0, steps, seed):
     layout = LAYOUTS[name]
     if not layout.ring:
@@ -122,6 +123,7 @@ def test_random_rounds_match_twin_and_never_rejected(device, name, n0, steps, se
 
 
 @pytest.mark.parametrize("name", ["ring16+7", "draft8+7"])
+@pytest.mark.slow
 def test_every_wrap_offset(device, name):
     """Blocks of 8 rows that wrap after j = 0 … 8 rows, each fully and partly rejected."""
     layout = LAYOUTS[name]

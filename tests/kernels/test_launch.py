@@ -1,7 +1,7 @@
 """Programmatic dependent launch, checked without a GPU: every kernel the package launches takes
 the PDL constexpr and enters through `pdl_enter` before anything else, every launch passes
 `launch_opts`, the refusals, and an sm_90 build whose `griddepcontrol.wait` precedes every
-global memory access. (That PDL changes no bit is tests/test_engine_pdl.py, on the GPU.)"""
+global memory access. (That PDL changes no bit is tests/engine/test_engine_pdl.py, on the GPU.)"""
 
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow
 def test_sm90_build_waits_before_any_global_access():
     try:
         import triton.backends.nvidia  # noqa: F401

@@ -211,6 +211,7 @@ def test_linear_fp8_matches_twin(case, snapped, device):
         print(f"\n  [{case.name}] {key}: {val}")
 
 
+@pytest.mark.slow
 def test_split_k_deterministic_and_consistent(device):
     """Reruns give the same bits (no atomics, pinned order); split counts 1, 2, 3 agree within
     the FP32 accumulation row; S > 1 really runs the partial + reduce path."""
@@ -339,6 +340,7 @@ def shifted_bf16(case: Case, device) -> torch.Tensor:
                       config=case.config).cpu()[:6]
 
 
+@pytest.mark.slow
 def test_broken_variants_exceed_their_rows(device):
     """Each linear_fp8 tolerance row is shown to fail for the broken variants it names."""
     case = Case("mutants", 8, 6, 384, 160, LinearLaunch(32, 3))
@@ -543,6 +545,7 @@ print(json.dumps(res))
 """
 
 
+@pytest.mark.slow
 def test_linear_kernels_compile_for_sm90():
     """Without a GPU: compile the production variants for sm_90 with Triton's ptxas. The GEMMs
     must use wgmma with cp.async-pipelined weight loads (the memory-bound part) and no register

@@ -3,7 +3,7 @@ table give the bits of the same partials as one [N, R, H] tensor (attention tail
 quantization, MoE tail; fp32 and bf16 partials, strided rows); an unwritten peer buffer times
 out into the failure flag; a table that misses a peer or a foreign buffer is caught; bad
 buffers are named. On a GPU the same tests run compiled; across GPUs the buffers would be
-peers' memory (issue 8), which one device cannot show."""
+peers' memory, which one device cannot show."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ def live(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("case", PICKED, ids=lambda c: c.name)
+@pytest.mark.slow
 def test_peer_buffers_give_the_bits_of_one_tensor(case, device):
     d = on(make_inputs(case, 300 + PICKED.index(case)), device, case.strided)
     want = run_both_tails(case, d, d["partials"], device)
@@ -92,6 +93,7 @@ def test_an_unwritten_peer_times_out(device):
     assert torch.isnan(m.xn.cpu()[:n].float()).all(), "a timed-out row must not look computed"
 
 
+@pytest.mark.slow
 def test_a_table_that_misses_a_peer_or_reads_a_foreign_buffer_is_caught(device):
     """Controls: the same tails through a table without peer N−1, or with peer 1's entry
     pointing at another (written) buffer, no longer match the one-tensor bits."""

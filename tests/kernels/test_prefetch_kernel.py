@@ -107,6 +107,7 @@ def run(c: Case, x, p, fc, fc_s, n: int, min_rows=4, max_rows=5):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 @pytest.mark.parametrize("n", [4, 5])
+@pytest.mark.slow
 def test_ids_and_partials_equal_twin(case, n):
     x, p, fc, fc_s = inputs(case, 10 + n)
     poison_padding(x, n)
@@ -143,6 +144,7 @@ def test_gated_off_writes_nothing(n):
     assert torch.isnan(buf.partials).all() and (buf.ids == -7).all() and (buf.sink == -7).all()
 
 
+@pytest.mark.slow
 def test_gate_bounds_and_clamp():
     """min_rows = max_rows = 3 launches at n = 3 only; n beyond the buffer clamps to R."""
     case = CASES[2]  # R = 5
@@ -237,6 +239,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Without a GPU: the kernels build for sm_90 at the TP8 shapes (H 3072, E 256, 2I 384, J 24,
     M 16); the scores kernel has no FMA (its sums must stay the twin's), the warm loads carry

@@ -142,6 +142,7 @@ def assert_bit_exact(got, want, what: str) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.slow
 def test_qk_rope_matches_twin_bit_exactly(case, device):
     inp = make_inputs(case, 60 + CASES.index(case))
     table = rope_table(case.table_positions, case.rot, case.theta, device)
@@ -156,6 +157,7 @@ def test_qk_rope_matches_twin_bit_exactly(case, device):
 
 
 @pytest.mark.parametrize("offset", [-1, 0])
+@pytest.mark.slow
 def test_a_shifted_table_rotates_row_p_at_p_plus_offset(offset, device):
     """The draft's table (draft_position_offset −1): row p holds the angle of p − 1. The kernel
     reads the table, the twin recomputes from (position + table.offset): bit-exact, and both
@@ -196,6 +198,7 @@ def test_twin_vs_model_path_sweep():
     assert flips <= total // 10000, "the FP64-sum norm departs from ops.rms_norm too often"
 
 
+@pytest.mark.slow
 def test_partials_path_equals_reduced_bf16_path(device):
     """qk_rope on linear_fp8_partials gives the bits of qk_rope on linear_fp8(out bf16): both
     sum the partials s = 0 … S−1 and round once."""
@@ -255,6 +258,7 @@ MUTANTS = ("GPT-J pairs", "rotary over all head dims", "q-norm weight as 1 + w",
            "k-norm weight on q", "position off by one", "other layer type's RoPE base")
 
 
+@pytest.mark.slow
 def test_broken_variants_exceed_their_rows(device):
     """Each mutant fails the exact row against the kernel and the vs_reference row against the
     literal model path; a table built with the wrong base fails too (the twin reads no table)."""
@@ -285,6 +289,7 @@ def _fails(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_positions_outside_the_table_give_nan_rows(device):
     case = Case("tiny-oob", 12, 2, 32, 8, 1e4, 100, 4, 4)
     inp = make_inputs(case, 90)
@@ -350,6 +355,7 @@ SM90_QK_ROPE = dict(
     warps=1)
 
 
+@pytest.mark.slow
 def test_qk_rope_compiles_for_sm90_without_fma():
     """Without a GPU: compiled for sm_90 as the wrapper launches it (enable_fp_fusion=False), the
     kernel has no FMA, IEEE div.rn / sqrt.rn, and an FP64 sum; with fusion on, FMAs appear

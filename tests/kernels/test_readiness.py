@@ -277,6 +277,7 @@ def test_permuted_producers_give_identical_bits(device):
         assert torch.equal(a[:n].view(torch.int8), b[:n].view(torch.int8)), f
 
 
+@pytest.mark.slow
 def test_stale_values_of_a_previous_rotation_are_never_consumed(device):
     """Step 3 reuses step 0's slot, which consumer(1) re-armed. Producer(3) writes all but one
     element: the consumer meets the re-arm's NaN, fails at the bound, and succeeds with the fresh
@@ -349,6 +350,7 @@ def run_schedule(w: World, n_live: list[int], choose) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data(), rounds=st.lists(st.integers(1, R), min_size=2, max_size=3),
        ranks=st.integers(2, 3))
+@pytest.mark.slow
 def test_schedules_on_real_kernels(data, rounds, ranks, device):
     n_live = [n for n in rounds for _ in range(2 * LAYERS)]
     w = World(RingPolicy(), ranks=ranks, device=device, max_polls=2, seed=len(n_live) + ranks)
@@ -358,6 +360,7 @@ def test_schedules_on_real_kernels(data, rounds, ranks, device):
 @pytest.mark.parametrize("policy", [RingPolicy(3, 0), RingPolicy(2, 1),
                                     RingPolicy(3, 1, rearm_all_rows=False)],
                          ids=["lag0", "B=lag+1", "live-rows-only"])
+@pytest.mark.slow
 def test_schedule_harness_catches_unsafe_policies(policy, device):
     """The harness of test_schedules_on_real_kernels is sensitive: with an unsafe policy some
     of a few seeded random schedules fail (stuck, flag, or wrong outputs)."""

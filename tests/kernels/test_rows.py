@@ -128,6 +128,7 @@ SM90_NORM_ROWS = dict(
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt"))
 
 
+@pytest.mark.slow
 def test_norm_rows_compiles_for_sm90_without_fma():
     """As launched (enable_fp_fusion=False): no FMA contracts the residual add into the norm,
     IEEE div.rn / sqrt.rn; with fusion on, FMAs appear (so the check can fail)."""
@@ -139,6 +140,7 @@ def test_norm_rows_compiles_for_sm90_without_fma():
 
 
 @pytest.mark.parametrize("experts,top_k", [(20, 4), (256, 8)])
+@pytest.mark.slow
 def test_route_rows_bits_do_not_depend_on_the_width_or_the_scratch(experts, top_k, device):
     """One program per expert block over all rows: a live row's ids and weights are the same
     bits with 5 exact rows, 8 padded rows (garbage beyond), a reused scratch or a fresh one; the
@@ -202,6 +204,7 @@ SM90_ROUTE = dict(
 )
 
 
+@pytest.mark.slow
 def test_route_kernel_builds_for_sm90_with_one_release_counter():
     """The IQuest rank shape (E 256, H 3072) compiles; one acq_rel arrival per program after a
     barrier, IEEE divisions in the finish, no FMA contraction with fusion off."""

@@ -43,7 +43,7 @@ from reference.config import SamplingDefaults as SP
 from reference.ops import exp32
 from reference.rng import Purpose, uniforms
 from reference.sampling_twins import sample_ref
-from tests.test_sampling import _drop_crossing_token, served_f64
+from tests.reference.test_sampling import _drop_crossing_token, served_f64
 
 F32 = np.float32
 POISON_ID = -7
@@ -185,6 +185,7 @@ def case_id(c) -> str:
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.slow
 def test_sampler_against_replay_and_twin(case, device):
     R, n, V, tile, params, kind = case
     seed = 1000 + V + R
@@ -214,6 +215,7 @@ def test_sampler_against_replay_and_twin(case, device):
 
 
 @pytest.mark.parametrize("seed", range(12))
+@pytest.mark.slow
 def test_random_configurations(seed, device):
     """Fresh random shapes, parameters, tiles and shard counts: exact against the replay, and
     every shard count bit-identical to one shard."""
@@ -268,6 +270,7 @@ def boundary_ties(V: int, n_shards: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("V,tile", [(1001, 128), (45, 16)])
+@pytest.mark.slow
 def test_sharded_is_bit_identical_to_unsharded(V, tile, device):
     """Shards follow torch.tensor_split: the first V % N shards hold one extra token. V = 45
     with N = 8 leaves shards of 5-6 tokens, fewer than K = 20."""
@@ -322,6 +325,7 @@ def test_total_order_on_ties_masks_and_signed_zeros(device):
 
 
 # --- the counter-based draw ----------------------------------------------------------------
+@pytest.mark.slow
 def test_draw_is_keyed_by_seed_position_purpose_index(device):
     """Flat rows (20 equal candidates): the token is a pure function of u."""
     x = torch.zeros(8, 64)
@@ -512,6 +516,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     }
 
 
+@pytest.mark.slow
 def test_compiled_kernels_build_for_sm90():
     """The interpreter runs NumPy; this compiles the GPU branches (a fresh process: under
     TRITON_INTERPRET the kernels are not compilable) and checks IEEE division everywhere, no
@@ -610,6 +615,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.parametrize("case", ["ties", "random-sharded", "greedy"])
+@pytest.mark.slow
 def test_bitonic_selection_gives_the_same_bits(case, device):
     """The two top-K selections of the scan and the merges (SamplerLaunch.select) pick the same
     ordered key set; a selection that dropped the K-th key or broke ties by id descending would

@@ -33,11 +33,13 @@ def run(x, params, device, seed=77, shift=0):
 
 
 @pytest.mark.parametrize("p", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+@pytest.mark.slow
 def test_device_values_equal_the_scalar_path(p, device):
     x = make_logits(4, V, 3, "ties")
     same(run(x, DeviceSampling.create(p, V, device), device), run(x, p, device), str(p))
 
 
+@pytest.mark.slow
 def test_update_retargets_the_same_buffers(device):
     x = make_logits(4, V, 5, "normal")
     ds = DeviceSampling.create(SP(1.0, 20, 0.95), V, device)
@@ -54,6 +56,7 @@ def test_update_retargets_the_same_buffers(device):
         DeviceSampling.create(SP(-1.0, 20, 0.95), V, device)
 
 
+@pytest.mark.slow
 def test_tp_pair_reads_device_values(device):
     x = make_logits(3, V, 9, "ties").to(device)
     p = SP(0.8, 20, 0.9)

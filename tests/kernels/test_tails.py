@@ -264,6 +264,7 @@ def test_real_shape_matches_twins_gpu(n_live, device):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.experts], ids=lambda c: c.name)
+@pytest.mark.slow
 def test_unrolled_router_poll(case, device):
     """TailLaunch.unroll_k polls the whole router input per poll and reduces the products once:
     h and f_in are the default launch's bits, the logits stay within the router's tolerance row
@@ -570,11 +571,11 @@ def test_wrapper_errors(device):
 def test_rows_without_rearm_wait_only_for_live_rows(n, device):
     """Without re-arming, padding rows have nothing to wait for: on all-NaN (unwritten) partials
     of the padding rows — and with n = 0, of every row, as in a device round launched after the
-    request finished — no padding row polls and no flag is raised (before this rule they polled
-    row 0 until max_polls and raised the flag whenever row 0 was unwritten). With re-arming and
-    n = 0 the step is empty too (kernels/readiness.py, "Empty steps"): no poll, no re-arm, no
-    flag — until session 7 it polled row 0 and timed out, which failed graph capture's warm-up
-    on a NaN-armed ring; with n = 2 the padding rows poll row 0 for the producers' evidence."""
+    request finished — no padding row polls and no flag is raised (polling row 0 they would wait
+    until max_polls and raise the flag whenever row 0 was unwritten). With re-arming and n = 0
+    the step is empty too (kernels/readiness.py, "Empty steps"): no poll, no re-arm, no flag — a
+    poll of row 0 would time out on a NaN-armed ring and fail graph capture's warm-up; with
+    n = 2 the padding rows poll row 0 for the producers' evidence."""
     g = torch.Generator().manual_seed(8)
     rows, hidden, experts = 8, 128, 16
     part = torch.full((2, rows, hidden), float("nan"))
@@ -662,6 +663,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     return stats
 
 
+@pytest.mark.slow
 def test_compiled_kernels_build_for_sm90():
     """Under TRITON_INTERPRET the kernels are not compilable, hence a fresh process. The polls
     must be volatile loads, the router handoff an acq_rel atomic after a barrier, the norms use

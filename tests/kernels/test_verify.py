@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from iquestrt.capture import graph_capture
-from kernels.verify import VerifyOut, verify
+from kernels.verify import verify
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
+from reference.op_types import VerifyOut
 from reference.rejection import residual_distribution
 from reference.rng import Purpose, uniforms
 from reference.sampling import draw
@@ -91,6 +92,7 @@ def _round_id(c) -> str:
 
 
 @pytest.mark.parametrize("D", range(8))
+@pytest.mark.slow
 def test_random_rounds_match_the_twin(D, device):
     seen = set()
     for _, params, s in (c for c in RANDOM if c[0] == D):
@@ -152,6 +154,7 @@ def test_acceptance_exactly_at_the_product_boundary(device):
     assert_same(run(same, device), verify_ref(*same), "q = p")
 
 
+@pytest.mark.slow
 def test_residual_zero_mass_ties_and_outside_support(device):
     # draft 11 outside p's support: always rejected; p <= q everywhere: residual mass 0 → p
     zero = hand_round([{3: 0.3, 5: 0.1}, {1: 1.0}], [{11: 0.25, 3: 0.3, 5: 0.45}], [11])
@@ -218,6 +221,7 @@ def mutant(rnd: Round, kind: str) -> tuple[int, int, bool, list[int]]:
     return D, tok, True, dr + [tok]
 
 
+@pytest.mark.slow
 def test_broken_variants_fail_their_row(device):
     rounds = [sampled_round(D, 300, prm, 900 + 10 * D + i, spread=1.5)
               for D in range(1, 8) for i, prm in enumerate((SP(), SP(1.3, 64, 1.0)))]

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.verify import VerifyOut, verify_batch
+from kernels.verify import verify_batch
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
+from reference.op_types import VerifyOut
 from reference.sampling_twins import verify_ref
 from tests.kernels.test_verify import PARAMS, run, sampled_round
 
@@ -45,6 +46,7 @@ def as_tensor(o) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("D", [1, 3, 7])
+@pytest.mark.slow
 def test_batch_equals_one_round_kernel_and_twin(D, device):
     seen = set()
     for params in PARAMS:

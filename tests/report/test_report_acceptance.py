@@ -75,6 +75,7 @@ def _index(ds):
         zip(ds.request_id.values, ds.seed.values, ds.policy.values, strict=True))}
 
 
+@pytest.mark.slow
 def test_dims_variables_and_progress(report):
     _, ds, seen = report
     assert set(ds.dims) == {"request", "round", "depth", "layer", "rows"}
@@ -90,6 +91,7 @@ def test_dims_variables_and_progress(report):
     assert list(ds.rows.values) == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_rounds_match_an_independent_decode(report, redecoded):
     _, ds, _ = report
     _, runs = redecoded

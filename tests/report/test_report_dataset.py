@@ -182,7 +182,7 @@ def test_netcdf_declares_fill_values_and_units(tmp_path):
         assert acc.values[1].tolist() == [2] * 6 and acc.values[0, 3:].tolist() == [-1] * 3
         assert raw.draft_accepted.dtype == np.int8
         assert np.isnan(raw.draft_prob.attrs["_FillValue"])
-        # what an undeclared −1 used to do to a naive mean
+        # what an undeclared −1 would do to a naive mean
         assert float(acc.mean()) < sum(real) / len(real) - 0.5
     assert ds.bonus.attrs["flag_meanings"].split() == ["target_row_not_used",
                                                        "extra_target_row"]

@@ -32,6 +32,7 @@ def _metric(base: str, name: str, **labels) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_completion_and_its_stream_agree(server):
     base, _, _ = server
     c = _client(base)
@@ -49,6 +50,7 @@ def test_completion_and_its_stream_agree(server):
     assert len(chunks) > 2  # text arrives as it is decoded, not once at the end
 
 
+@pytest.mark.slow
 def test_chat_completion_streams_the_same_reply(server):
     base, _, _ = server
     c = _client(base)
@@ -141,6 +143,7 @@ def test_a_disconnected_stream_is_cancelled_and_the_next_request_runs(server):
     assert time.monotonic() - t < WAIT_S
 
 
+@pytest.mark.slow
 def test_a_full_queue_answers_429_and_the_queue_drains(server):
     base, _, _ = server
     hold = httpx.stream("POST", base + "/v1/completions", timeout=WAIT_S,
@@ -169,6 +172,7 @@ def _rss_kb(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_load_no_request_lost_duplicated_or_mixed(server):
     """8 clients send 40 requests (8 distinct ones, 5 times each, shuffled): every answer
     equals the answer its request got alone; the server's memory stays flat."""

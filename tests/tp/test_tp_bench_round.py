@@ -38,6 +38,7 @@ def _rings(weights, emulated: int) -> tuple[TPRings, list[torch.Tensor], list[to
 
 
 @interpreted
+@pytest.mark.slow
 def test_ring_ops_read_every_real_rank_and_the_emulated_ones():
     """The O projection writes this rank's slot and the tail reads 2·S real partials then
     6·S emulated zeros; the peer's slot is summed in (changing it changes the result) and a
@@ -88,6 +89,7 @@ def test_emulated_ranks_are_validated():
 
 
 @interpreted
+@pytest.mark.slow
 def test_two_processes_run_the_sweep_through_the_ring(tmp_path):
     spawn(tp_workers.bench_round_worker, 2, (2, free_port(), str(tmp_path), 120.0), 900.0)
     r = [torch.load(tmp_path / f"rank{q}.pt", weights_only=False) for q in range(2)]

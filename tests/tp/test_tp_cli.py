@@ -47,6 +47,7 @@ def _check_against_one_process(args: list[str], tp: list[int], capsys) -> None:
     print("\n  " + (check_greedy(ck, prompt, tp, one) or "TP2 == one process"))
 
 
+@pytest.mark.slow
 def test_generate_tp2_under_torchrun(capsys):
     tp = _tp2_tokens(ARGS, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # gloo on the CPU
     _check_against_one_process(ARGS, tp, capsys)

@@ -54,6 +54,7 @@ def single(prompt, sampling):
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.slow
 def test_ranks_agree_and_greedy_equals_one_rank(prompt, sampling, tmp_path):
     r = run_tp(prompt, sampling, tmp_path)
     assert r[0]["tokens"] == r[1]["tokens"] and r[0]["rounds"] == r[1]["rounds"]
@@ -82,6 +83,7 @@ def test_the_peer_reduction_is_refused_where_it_cannot_apply():
         Engine(w, peer)
 
 
+@pytest.mark.slow
 def test_a_tp_engine_builds_its_rings(tmp_path):
     """TPEngine with tp_reduce "peer" on 2 gloo ranks (interpreted kernels, tiny): both ranks use
     the ring files of one directory rank 0 made (O ring with the O projection's split-K count,

@@ -68,6 +68,7 @@ def judge(ck, toks: torch.Tensor, res: dict) -> tuple[bool, list[str]]:
 
 
 @pytest.mark.parametrize("model", ["tiny", "mini"])
+@pytest.mark.slow
 def test_ranks_agree_and_stay_within_the_band(model, tiny_dir, tmp_path):
     directory = tiny_dir if model == "tiny" else mini_engine.MINI
     ck = load_checkpoint(directory)
@@ -83,6 +84,7 @@ def test_ranks_agree_and_stay_within_the_band(model, tiny_dir, tmp_path):
     assert ok, lines
 
 
+@pytest.mark.slow
 def test_a_missing_reduction_fails_the_band(tiny_dir, tmp_path):
     ck = load_checkpoint(tiny_dir)
     toks = prompt("tiny", ck)
@@ -91,6 +93,7 @@ def test_a_missing_reduction_fails_the_band(tiny_dir, tmp_path):
     assert not ok, lines
 
 
+@pytest.mark.slow
 def test_kernels_under_the_interpreter_compose_with_tp(tiny_dir, tmp_path):
     """The production kernels (interpreted) on both ranks: the partial buffers, tails with the
     gathered partials and the sharded kernel sampler's inputs work as on a GPU. Then

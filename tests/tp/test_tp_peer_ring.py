@@ -53,6 +53,7 @@ def stacked(ranks: int, t: int, device, parts: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ranks,parts", [(2, 1), (3, 1), (2, 3)])
+@pytest.mark.slow
 def test_emulated_ranks_reduce_through_the_ring(ranks, parts, device):
     rings = emulated(ranks, device, parts)
     flag = torch.zeros(1, dtype=torch.int32, device=device)
@@ -73,6 +74,7 @@ def test_emulated_ranks_reduce_through_the_ring(ranks, parts, device):
             assert not torch.isnan(views[t % 3][:, :n]).any(), f"step {t}: rank {q} erased"
 
 
+@pytest.mark.slow
 def test_a_late_producer_is_caught_and_without_rearm_consumed_stale(device):
     """Step 3 reuses step 0's slot. Rank 1 has not produced step 3 yet when rank 0 consumes:
     with the ring's re-arm rank 1's slot holds NaN, so rank 0 polls to its bound and raises the
@@ -120,6 +122,7 @@ def test_ring_refusals(device):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow
 def test_gloo_processes_reduce_through_shared_files(world, tmp_path):
     spawn(tp_workers.shared_ring_worker, world, (world, free_port(), str(tmp_path), 60.0, -1),
           240.0)
@@ -134,6 +137,7 @@ def test_gloo_processes_reduce_through_shared_files(world, tmp_path):
     print(f"\n  polls of row 0 per rank and step: {waited}")
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_writes_ends_its_step_in_the_flag(tmp_path):
     spawn(tp_workers.shared_ring_worker, 2, (2, free_port(), str(tmp_path), 60.0, 4), 240.0)
     n = RING_LIVE[4]

@@ -60,6 +60,7 @@ def _twin_ref(case, world):
                       n_live=case.live)
 
 
+@pytest.mark.slow
 def test_every_rank_equals_single_process(run):
     world, res = run
     for i, case in enumerate(cases(world)):
@@ -134,6 +135,7 @@ def _cpu_sampler(ops: str, group: TPGroup, vocab: int) -> ShardedSampler:
 
 @pytest.mark.parametrize("device_values", [False, True], ids=["host", "device_values"])
 @pytest.mark.parametrize("ops", ["kernels", "twins"])
+@pytest.mark.slow
 def test_world_one_equals_single_process(ops, device_values):
     """Also with the sampling values and the seed on the device (DeviceSampling, int64 bits):
     the engine's rounds pass them so."""

@@ -368,8 +368,8 @@ def bench_round_worker(rank: int, world: int, port: int, out_dir: str, timeout_s
     _setup()
     import torch
 
-    from benchmarks.rank.main import SweepSpec
     from benchmarks.rank.shapes import small_rank_config
+    from benchmarks.rank.spec import SweepSpec
     from benchmarks.rank.sweep import Rig, run_sweep
     from iquestrt.tp import group as tp_group
 

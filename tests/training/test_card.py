@@ -15,7 +15,7 @@ from reference.checkpoint import load_checkpoint
 from reference.depth import DraftInfo
 from reference.model import ReferenceModel
 from reference.speculative import GenerationRequest, RoundRecord, generate
-from tests.test_engine_setup import GREEDY, SAMPLING, make_ckpt
+from tests.helpers.engine_setup import GREEDY, SAMPLING, make_ckpt
 from training import card
 
 PROMPT = [5, 17, 300, 42, 42, 9, 111, 7, 250, 3, 64, 18]
@@ -48,6 +48,7 @@ def unconditional(rounds, depth):
 
 
 @pytest.mark.parametrize("sampling,seed", [(SAMPLING, 0), (SAMPLING, 1), (GREEDY, 0)])
+@pytest.mark.slow
 def test_acceptance_matches_round_records(model, sampling, seed):
     cfg = card.CardConfig(tokens=40, depths=(DEPTH,), seeds=(seed,))
     tallies = card.decode_tallies(model, PROMPT, cfg)
@@ -132,6 +133,7 @@ def _report():
             "heldout_loss": {"target": 5.5, "draft": [6.5] * 7, "tokens": 10}}
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(ckpt_dir, tmp_path, capsys):
     text = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 4
     tok = Tokenizer(models.BPE())

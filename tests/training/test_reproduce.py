@@ -26,6 +26,7 @@ def _reproduce(report, data, out, *extra) -> int:
                       "--tokenizer", str(data / "tokenizer.json"), "--device", "cpu", *extra])
 
 
+@pytest.mark.slow
 def test_a_rerun_is_bit_identical(trained, data_dir, tmp_path):  # noqa: F811
     assert _reproduce(trained, data_dir, tmp_path) == 0
     rec = json.loads((tmp_path / "reproduce.json").read_text())
@@ -34,6 +35,7 @@ def test_a_rerun_is_bit_identical(trained, data_dir, tmp_path):  # noqa: F811
     assert "bit-identical" in (tmp_path / "reproduce.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_card_off_by_more_than_the_tolerance_fails(trained, data_dir, tmp_path):  # noqa: F811
     rep = json.loads(trained.read_text())
     rep["heldout_loss"]["draft"][2] += 0.05

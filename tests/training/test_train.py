@@ -43,6 +43,7 @@ def _state(out):
     return torch.load(out / STATE, map_location="cpu", weights_only=True)
 
 
+@pytest.mark.slow
 def test_short_run_exports_a_loadable_checkpoint(data_dir, tmp_path):
     out = tmp_path / "run"
     report = main(_argv(data_dir, out, "--max-steps", "3"))
@@ -77,6 +78,7 @@ def test_short_run_exports_a_loadable_checkpoint(data_dir, tmp_path):
     assert torch.isfinite(out_d.logits).all()
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical(data_dir, tmp_path):
     whole, split = tmp_path / "whole", tmp_path / "split"
     main(_argv(data_dir, whole, "--max-steps", "4", "--ckpt-every", "3"))

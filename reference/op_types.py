@@ -1,0 +1,80 @@
+"""The result and argument types of the device op table (iquestrt/ops.py), one home for the
+kernels (kernels/) and their reference twins alike: a kernel and its twin take and return the
+same types, so a caller — the runtime model, the lockstep gate — never knows which one ran.
+
+Dimension letters: R rows (buffer; rows past the live count are padding: NaN, ids −1, probs 0),
+H hidden, K top-k experts, W served sampling width, D drafts, V vocabulary, P token slots,
+S hidden rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class SampleOut(NamedTuple):
+    """What `sample` returns."""
+
+    tokens: torch.Tensor  # [R] int64, the drawn token of each live row
+    ids: torch.Tensor  # [R, W] int64, served candidates in draw order (served desc, id asc)
+    probs: torch.Tensor  # [R, W] fp32 served probabilities, 0 after the kept prefix
+
+
+class VerifyOut(NamedTuple):
+    """What `verify` returns: one request's rejection-sampling decision over its drafts."""
+
+    n_accepted: torch.Tensor  # [1] int32
+    next_token: torch.Tensor  # [1] int64: the replacement, or the bonus token
+    bonus: torch.Tensor  # [1] int32: 1 when every live draft was accepted
+    emitted: torch.Tensor  # [D+1] int64: accepted drafts, next_token, then -1
+
+
+@dataclass
+class AttnTailOut:
+    """What `attn_tail` returns (the fused O reduction + residual + norms, optionally the
+    folded router and the expert input's FP8 quantization)."""
+
+    h: torch.Tensor  # [R, H] bf16 residual carried to the MoE tail
+    f_in: torch.Tensor  # [R, H] bf16 expert input
+    ids: torch.Tensor | None = None  # [R, K] int32, (probability desc, index asc); −1 on failure
+    weights: torch.Tensor | None = None  # [R, K] fp32, renormalized over the top K
+    fq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(f_in), when the tail quantizes
+    sf: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
+
+
+@dataclass
+class MoeTailOut:
+    """What `moe_tail` returns (the fused expert reduction + residual + next norm)."""
+
+    xn: torch.Tensor  # [R, H] bf16 next layer's normalized input (or the final hidden state)
+    x: torch.Tensor | None = None  # [R, H] bf16 layer output (optional)
+    xq: torch.Tensor | None = None  # [R, H] E4M3 quantize_act(xn), when the tail quantizes
+    sx: torch.Tensor | None = None  # [R, ⌈H/128⌉] fp32 its scales
+
+
+@dataclass(frozen=True)
+class EntrySource:
+    """Where the draft's entry rows come from (`draft_entry`, `eh_proj`): row r < n takes the
+    token tokens[clamp(tok_base + r, 0, tok_max)] (its id clamped to [0, V − 1]) and the hidden
+    row hidden[clamp(hid_base + r, 0, S − 1)], at position pos_base + r. The bases are host ints
+    or device [1] tensors (a captured round reads them on the device, never on the host)."""
+
+    tokens: torch.Tensor  # [P] int64 token slots
+    tok_base: int | torch.Tensor
+    tok_max: int  # the last readable slot of tokens
+    hidden: torch.Tensor  # [S, H] bf16 target hidden states
+    hid_base: int | torch.Tensor
+    pos_base: int | torch.Tensor
+
+
+@dataclass(frozen=True)
+class EntryNorms:
+    """The draft's entry weights: the token embedding and the two RMS norms of its halves."""
+
+    embed: torch.Tensor  # [V, H] bf16
+    enorm: torch.Tensor  # [H] the embedding half's norm weight
+    hnorm: torch.Tensor  # [H] the hidden half's norm weight
+    eps: float
