@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 
 FIXED = (3, 4, 5, 6, 7)
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "reports/benchmarks/h200-2026-11-29/session2/bench_round_mini.json"
+# a copy of the record reports/benchmarks/h200-2026-11-29/session2/bench_round_mini.json
+# (data/costs/README.md)
+BENCH = REPO / "data/costs/bench_round_mini_h200.json"
 
 
 def cost_from_benchmark(path: Path = BENCH) -> tuple[CostModel, dict]:
