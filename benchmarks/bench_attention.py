@@ -35,7 +35,7 @@ from iquestrt.capture import graph_capture
 from kernels.attention import AttentionConfig, attention, pick_config  # noqa: E402
 from kernels.kv_cache import KVLayout, LayerKV  # noqa: E402
 from qualification.tolerances import check  # noqa: E402
-from reference.kv_layout import attention_ref  # noqa: E402
+from reference.twins.attention import attention_ref  # noqa: E402
 
 HQ, HKV, D = 6, 1, 128
 SCALE = D**-0.5

@@ -7,7 +7,7 @@ floor and the simplest torch formulations.
 Shapes (N, K): QKV 1024×3072, O 3072×768, dense gate (= up) 1536×3072, gate+up fused
 3072×3072, down 3072×1536 (block FP8, bf16 out), lm_head 20000×3072 (BF16, FP32 logits).
 Rows: an 8-row buffer with n_live = rows. Each shape is first checked against its twin
-(reference/dense_twins.py) under its tolerance row — a wrong result raises before any timing.
+(reference/twins/linear.py) under its tolerance row — a wrong result raises before any timing.
 Timing: a CUDA graph of `reps` calls cycling through enough weight copies that the bytes cycled
 exceed 2 × L2 (60 MB), so every call streams its weights from HBM; median over `trials` graph
 replays (CUDA events) after warm-up. Bytes that must move: weights (+ FP32 block scales) + x read
@@ -136,7 +136,7 @@ def torch_calls(p: Problem) -> dict[str, list]:
 def check_against_twin(p: Problem) -> str:
     """Kernel on copy 0 vs the CPU twin under the op's tolerance row; raises when wrong."""
     from qualification.tolerances import check
-    from reference.dense_twins import linear_bf16_f32_ref, linear_fp8_ref
+    from reference.twins.linear import linear_bf16_f32_ref, linear_fp8_ref
 
     p.out.fill_(float("nan"))
     p.kernel_call(0)()

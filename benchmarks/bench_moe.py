@@ -5,7 +5,7 @@ GPU, against the HBM floor and against the simplest torch formulation of the sam
 
 Per row count: routing with a chosen number of distinct experts (defaults: independent top-8 of
 256, 256·(1 − (31/32)^R) distinct: 8.0 / 30.5 / 44.4 / 57.4 at R = 1 / 4 / 6 / 8 rows), checked
-against the twin (reference/fp8_ops.py) before any timing — a wrong result raises. Timing: a CUDA
+against the twin (reference/twins/moe.py) before any timing — a wrong result raises. Timing: a CUDA
 graph of `reps` calls, each on the next routing set; the sets use disjoint experts (and `copies`
 weight copies), so the weights cycled through exceed L2 (60 MB) and are streamed from HBM like in
 a decode round.
@@ -147,7 +147,7 @@ def torch_call(p: Problem, copy: int, rset: int = 0):
 def check_against_twin(p: Problem) -> dict:
     """Kernel vs twin on routing set 0 (CPU twin); raises AssertionError when wrong."""
     from qualification.tolerances import check
-    from reference.fp8_ops import moe_fp8_ref
+    from reference.twins.moe import moe_fp8_ref
 
     r = p.spec.rows
     out = torch.full((p.spec.buffer_rows, p.spec.hidden), 12288.0, dtype=torch.bfloat16,

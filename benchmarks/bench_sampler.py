@@ -5,7 +5,7 @@ Shapes: 8 × 160000 fp32 logits (target ≤ 20 µs), 1 × 160000, the 8-way shar
 (8 × 20000 per virtual rank, three launches), and one TP8 rank's share: its local top-K on
 [8, 20000] plus the final merge on the gathered [8, 8, KP] keys (all-gather not included).
 
-Before timing, every kernel output is checked against the twin (reference.sampling_twins,
+Before timing, every kernel output is checked against the twin (reference.twins.sampler,
 CPU): ids and tokens equal, probabilities within kernels.sampler.probs. Timing: CUDA events
 around each call, median over --reps after --warmup calls; "eager" rotates through enough
 logits copies (≥ 200 MB) that every call reads HBM, "graph" replays one captured CUDA graph
@@ -40,7 +40,7 @@ from kernels.sampler import (  # noqa: E402
 from qualification.tolerances import check  # noqa: E402
 from reference.config import SamplingDefaults  # noqa: E402
 from reference.rng import Purpose, uniforms  # noqa: E402
-from reference.sampling_twins import sample_ref  # noqa: E402
+from reference.twins.sampler import sample_ref  # noqa: E402
 
 HBM_BYTES_PER_S = 4.24e12  # measured copy bandwidth of the H200 (read + write)
 SEED = 20250611

@@ -6,13 +6,13 @@ against the simplest torch formulation of the same op in the same run.
     python -m benchmarks.bench_tails --json bench_tails.json
     python -m benchmarks.bench_tails --sweep        # also a few pinned launch configs
 
-Each configuration is checked against its twin (reference/tails.py) before any timing — a wrong
-result raises. Timing: a CUDA graph of `reps` calls, median over `trials` replays (CUDA events)
-after warm-up. Every call finds its partials written (no waiting: this measures the tail, not a
-producer) and re-arms a spare [R, H] buffer, so the re-arm stores are paid. Router weights cycle
-through `router_copies` copies (default 40 × 3 MB ≫ the 60 MB L2), as the 87 MoE layers' routers
-stream from HBM in a decode round; partials and activations stay L2-resident, as they would be
-right after their producer. The torch baseline has no readiness poll (torch cannot poll): it is
+Each configuration is checked against its twin (reference/twins/tails.py) before any timing — a
+wrong result raises. Timing: a CUDA graph of `reps` calls, median over `trials` replays (CUDA
+events) after warm-up. Every call finds its partials written (no waiting: this measures the tail,
+not a producer) and re-arms a spare [R, H] buffer, so the re-arm stores are paid. Router weights
+cycle through `router_copies` copies (default 40 × 3 MB ≫ the 60 MB L2), as the 87 MoE layers'
+routers stream from HBM in a decode round; partials and activations stay L2-resident, as they would
+be right after their producer. The torch baseline has no readiness poll (torch cannot poll): it is
 sum → norms → residual → (router GEMM, softmax, top-k, renormalize) as separate ops, in a graph.
 """
 
@@ -130,7 +130,7 @@ def check_against_twin(p: Problem, config=None) -> dict:
     from qualification.tolerances import check
     from reference import ops
     from reference.op_types import AttnTailOut
-    from reference.tails import attn_tail_ref, moe_tail_ref
+    from reference.twins.tails import attn_tail_ref, moe_tail_ref
 
     s, n = p.spec, p.spec.rows
     cpu = lambda t: t.cpu()  # noqa: E731
@@ -167,7 +167,7 @@ def check_against_twin(p: Problem, config=None) -> dict:
 
 
 def twin_router_input(p: Problem) -> torch.Tensor:
-    from reference.tails import attn_tail_router_input_ref
+    from reference.twins.tails import attn_tail_router_input_ref
 
     return attn_tail_router_input_ref(p.partials.cpu(), p.resid.cpu(), p.norms[0].cpu(),
                                       p.norms[1].cpu(), p.spec.rows, eps=EPS, attn_out_scale=1.0)

@@ -46,7 +46,7 @@ def run(shape: str, rows: int, live: int, seed: int, device) -> dict:
     from kernels.moe import moe_fp8, moe_gate_up_fp8
     from qualification.tolerances import measure, tolerance
     from reference import ops
-    from reference.fp8_ops import moe_fp8_ref, moe_gate_up_fp8_ref
+    from reference.twins.moe import moe_fp8_ref, moe_gate_up_fp8_ref
 
     sh = SHAPES[shape]
     h, e, k, i = sh["hidden"], sh["experts"], sh["top_k"], sh["inter"]

@@ -44,7 +44,7 @@ from kernels.attention import (  # noqa: E402
     pick_config,
 )
 from qualification.tolerances import check  # noqa: E402
-from reference.kv_layout import attention_ref  # noqa: E402
+from reference.twins.attention import attention_ref  # noqa: E402
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:

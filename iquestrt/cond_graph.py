@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from iquestrt.capture import graph_capture
-from iquestrt.device_loop import ConditionKernel, add_conditional, checked, new_handle
+from iquestrt.cond_nodes import ConditionKernel, add_conditional, checked, new_handle
 
 Part = Callable[[], "torch.Tensor | None"]  # returns the [1] int32 flag "run the next part"
 

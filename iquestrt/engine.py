@@ -42,8 +42,8 @@ import torch
 import triton
 
 from iquestrt.cache import RuntimeCaches
+from iquestrt.cond_nodes import DeviceTimeout, wait_bounded
 from iquestrt.config import RuntimeConfig
-from iquestrt.device_loop import DeviceTimeout, wait_bounded
 from iquestrt.draft import DraftModel
 from iquestrt.errors import RuntimeFault
 from iquestrt.graphs import RoundPrograms

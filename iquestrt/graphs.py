@@ -27,7 +27,7 @@ import torch
 
 from iquestrt.capture import graph_capture
 from iquestrt.cond_graph import CondGraph
-from iquestrt.device_loop import ConditionKernel
+from iquestrt.cond_nodes import ConditionKernel
 from iquestrt.round import RoundProgram
 from iquestrt.state import DeviceState
 

@@ -20,9 +20,7 @@ from iquestrt.live import Live, host_seed
 from iquestrt.ops_kernels import ROLLBACK_ROWS
 from iquestrt.weights import Fp8Linear, MoeWeights
 from kernels.sampler_values import DeviceSampling
-from reference import dense_twins, fp8_ops, kv_layout, sampling_twins
 from reference import ops as ref_ops
-from reference import tails as t_tails
 from reference.op_types import (
     AttnTailOut,
     EntryNorms,
@@ -31,6 +29,17 @@ from reference.op_types import (
     SampleOut,
     VerifyOut,
 )
+from reference.twins import attention as t_attention
+from reference.twins import draft_entry as t_entry
+from reference.twins import eh_proj as t_eh
+from reference.twins import kv_cache as t_kv
+from reference.twins import linear as t_linear
+from reference.twins import moe as t_moe
+from reference.twins import qk_rope as t_qk
+from reference.twins import rows as t_rows
+from reference.twins import sampler as t_sampler
+from reference.twins import tails as t_tails
+from reference.twins import verify as t_verify
 
 NAN = float("nan")
 
@@ -57,11 +66,6 @@ def _into(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if out is None:
         return y
     return out.copy_(y)
-
-
-def _host_int(x) -> int:
-    """A base scalar of draft_entry (host int or device [1] tensor) as a host int (twins)."""
-    return x if isinstance(x, int) else int(x.reshape(-1)[0])
 
 
 class DequantCache:
@@ -97,7 +101,7 @@ class TwinOps:
         pass
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
-        y = _rows(live.n, lambda r: dense_twins.linear_fp8_ref(x[r : r + 1], lin.w, lin.s,
+        y = _rows(live.n, lambda r: t_linear.linear_fp8_ref(x[r : r + 1], lin.w, lin.s,
                                                                 out_dtype=out_dtype,
                                                                 dequant=self.dq))
         return _padded(y, x.shape[0], self.dev)  # [R, N]
@@ -109,13 +113,13 @@ class TwinOps:
         return _into(self.linear_fp8(x, lin, live, torch.float32)[None], out)
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
-        y = _rows(live.n, lambda r: dense_twins.linear_bf16_f32_ref(x[r : r + 1], w,
+        y = _rows(live.n, lambda r: t_linear.linear_bf16_f32_ref(x[r : r + 1], w,
                                                                      out_dtype=out_dtype))
         return _padded(y, x.shape[0], self.dev)
 
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
                 num_kv_heads, eps):
-        outs = [dense_twins.qk_rope_ref(parts[:, r : r + 1], q_norm, k_norm, positions[r : r + 1],
+        outs = [t_qk.qk_rope_ref(parts[:, r : r + 1], q_norm, k_norm, positions[r : r + 1],
                                         table, num_q_heads=num_q_heads,
                                         num_kv_heads=num_kv_heads, eps=eps)
                 for r in range(live.n)]
@@ -123,18 +127,18 @@ class TwinOps:
         return tuple(_padded(torch.cat([o[i] for o in outs]), rows, self.dev) for i in range(3))
 
     def write_kv(self, cache, k, v, positions, live: Live) -> None:
-        kv_layout.write_ref(cache, k, v, positions, live.n)
+        t_kv.write_ref(cache, k, v, positions, live.n)
 
     def rollback(self, cache, keep, written) -> None:
         keep, written = int(keep), int(written)  # device scalars on the CPU: free reads
         if not 0 <= written - keep <= ROLLBACK_ROWS:
             raise ValueError(f"rollback: {written} − {keep} positions outside "
                              f"[0, {ROLLBACK_ROWS}]")
-        kv_layout.rollback_ref(cache, keep, written)
+        t_kv.rollback_ref(cache, keep, written)
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
         out = torch.full(q.shape, NAN, dtype=q.dtype, device=self.dev)
-        return kv_layout.attention_ref(q, cache, positions, live.n, sink_k, scale, out=out)
+        return t_attention.attention_ref(q, cache, positions, live.n, sink_k, scale, out=out)
 
     def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
         """→ (o, None): the twin O projection quantizes o itself."""
@@ -177,7 +181,7 @@ class TwinOps:
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         """xq (a producer's quantization of x) is not needed: the twin quantizes x itself."""
-        y = _rows(live.n, lambda r: fp8_ops.moe_fp8_ref(
+        y = _rows(live.n, lambda r: t_moe.moe_fp8_ref(
             x[r : r + 1], weights[r : r + 1], ids[r : r + 1], m.fc, m.fc_s, m.proj, m.proj_s,
             out_dtype=out_dtype, dequant=self.dq))
         return _into(_padded(y, x.shape[0], self.dev), out)
@@ -185,7 +189,7 @@ class TwinOps:
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         if isinstance(params, DeviceSampling):  # the twins run on the host: its parameters
             params = params.params
-        tok, ids, probs = sampling_twins.sample_ref(logits, params, host_seed(seed), positions,
+        tok, ids, probs = t_sampler.sample_ref(logits, params, host_seed(seed), positions,
                                                     purpose, n_live=live.n)
         rows = logits.shape[0]
         return SampleOut(_padded(tok, rows, self.dev, -1), _padded(ids, rows, self.dev, -1),
@@ -194,7 +198,7 @@ class TwinOps:
     def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
                n_drafts: Live) -> VerifyOut:
         first = int(first) if not isinstance(first, torch.Tensor) else int(first.reshape(-1)[0])
-        a, tok, bonus, emitted = sampling_twins.verify_ref(
+        a, tok, bonus, emitted = t_verify.verify_ref(
             p.ids, p.probs, q_ids, q_probs, drafts, host_seed(seed), first, n_drafts=n_drafts.n)
         em = torch.full((drafts.shape[0] + 1,), -1, dtype=torch.int64, device=self.dev)
         em[: len(emitted)] = torch.tensor(emitted, dtype=torch.int64)
@@ -203,60 +207,26 @@ class TwinOps:
                          torch.tensor([tok], dtype=torch.int64, device=self.dev),
                          torch.tensor([int(bonus)], **i32), em)
 
-    # --- row parts (kernels/rows.py): the torch expressions of reference/model.py, row by row
+    # --- row parts (kernels/rows.py, kernels/draft_entry.py, kernels/eh_proj.py)
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):
-        rows = a.shape[0]
-        s_out = torch.full(a.shape, NAN, dtype=sum_dtype, device=self.dev) if store_sum else None
-        y = None
-        if w is not None:
-            y = y_out if y_out is not None else torch.full(a.shape, NAN, dtype=y_dtype,
-                                                           device=self.dev)
-        for r in range(min(live.n, rows)):
-            s_r = a[r : r + 1]
-            if b is not None:
-                t = ref_ops.rms_norm(b[r : r + 1], wb, eps)
-                s_r = (s_r.float() + t.float()).to(sum_dtype)
-                if store_sum:
-                    s_out[r : r + 1] = s_r
-            if y is not None:
-                y[r : r + 1] = ref_ops.rms_norm(s_r, w, eps, y.dtype)
-        return s_out, y
+        return t_rows.norm_rows_ref(a, w, live.n, eps, b=b, wb=wb, sum_dtype=sum_dtype,
+                                    store_sum=store_sum, y_out=y_out, y_dtype=y_dtype)
 
     def draft_entry(self, src: EntrySource, live: Live, norms: EntryNorms, eh_out, pos_out):
-        """The composition the entry launch replaces: gather with the launch's clamps (token
-        slot to [0, tok_max], token id to [0, V − 1], hidden row to [0, S − 1]), embed, the two
-        norm_rows twins into eh_out's halves (live rows only), pos = base + r or −1."""
-        embed, eps = norms.embed, norms.eps
-        rows, h_size = eh_out.shape[0], embed.shape[1]
-        ar = torch.arange(rows, device=src.tokens.device)  # [R]
-        slot = (_host_int(src.tok_base) + ar).clamp(0, src.tok_max)
-        tok = src.tokens[slot].clamp(0, embed.shape[0] - 1)  # [R]
-        hid = src.hidden
-        hrow = (_host_int(src.hid_base) + ar).clamp(0, hid.shape[0] - 1).to(hid.device)
-        self.norm_rows(embed[tok.to(embed.device)], norms.enorm, live, eps,
-                       y_out=eh_out[:, :h_size])
-        self.norm_rows(hid[hrow], norms.hnorm, live, eps, y_out=eh_out[:, h_size:])
-        ar = ar.to(pos_out.device)
-        pos_out.copy_(torch.where(ar < live.n, _host_int(src.pos_base) + ar, -1))
-        return eh_out, pos_out
+        return t_entry.draft_entry_ref(src.tokens, src.tok_base, src.tok_max, src.hidden,
+                                       src.hid_base, src.pos_base, live.n, norms.embed,
+                                       norms.enorm, norms.hnorm, norms.eps, eh_out, pos_out)
 
     def eh_proj(self, src: EntrySource, live: Live, norms: EntryNorms, weight, pos_out):
-        """The composition the fused kernel replaces: draft_entry, then eh_proj's linear
-        (bf16 out) → (x [R, N], pos_out)."""
-        eh = torch.zeros(pos_out.shape[0], 2 * norms.embed.shape[1], dtype=torch.bfloat16,
-                         device=self.dev)
-        self.draft_entry(src, live, norms, eh, pos_out)
-        return self.linear_bf16_f32(eh, weight, live, torch.bfloat16), pos_out
+        return t_eh.eh_proj_ref(src.tokens, src.tok_base, src.tok_max, src.hidden, src.hid_base,
+                                src.pos_base, live.n, norms.embed, norms.enorm, norms.hnorm,
+                                norms.eps, weight, pos_out)
 
     def silu_mul_rows(self, g, u, live: Live):
-        act = _rows(live.n, lambda r: ref_ops.silu_mul(g[r : r + 1], u[r : r + 1],
-                                                       torch.bfloat16))
-        return _padded(act, g.shape[0], self.dev)
+        return _padded(t_rows.silu_mul_rows_ref(g, u, live.n), g.shape[0], self.dev)
 
     def route_rows(self, x, router_w, top_k: int, live: Live):
-        outs = [ref_ops.route(x[r : r + 1], router_w, top_k) for r in range(live.n)]
+        wts, ids = t_rows.route_rows_ref(x, router_w, top_k, live.n)
         rows = x.shape[0]
-        wts = _padded(torch.cat([o[0] for o in outs]), rows, self.dev)
-        ids = _padded(torch.cat([o[1] for o in outs]).to(torch.int32), rows, self.dev, -1)
-        return wts, ids
+        return _padded(wts, rows, self.dev), _padded(ids, rows, self.dev, -1)

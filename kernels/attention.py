@@ -1,5 +1,5 @@
 """Decode / verification attention over a full cache or a ring, split-KV plus combine
-(kernel family 3). Twin: reference.kv_layout.attention_ref.
+(kernel family 3). Twin: reference.twins.attention.attention_ref.
 
 Work decomposition. One split program per (split s, KV head g) packs the R query rows × the
 G = Hq/Hkv query heads of g into the matrix rows m = r·G + j (8 × 6 = 48 rows per rank), so
@@ -47,7 +47,9 @@ from kernels.attention_common import (
     rne_bf16,
 )
 from kernels.launch import launch_opts, pdl_enter
+from kernels.twin import twin
 from reference.kv_layout import LayerKV
+from reference.twins import attention as _twins
 
 __all__ = ["AttentionConfig", "Partials", "attention", "attention_combine", "attention_split",
            "combine_quantizes", "pick_config"]
@@ -284,6 +286,7 @@ def _launch_split(q, cache: LayerKV, q_pos, n_live_t, scale, cfg: AttentionConfi
     return Partials(po, pl)
 
 
+@twin(_twins.attention_ref)
 def attention(
     q: torch.Tensor,  # [R, Hq, D] bf16, q-normed and roped; rows >= n_live are padding
     cache: LayerKV,

@@ -36,6 +36,8 @@ import triton.language as tl
 from kernels.fp8 import check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
 from kernels.tails import _bf16, _rms
+from kernels.twin import twin
+from reference.twins import draft_entry as _twins
 
 _COMPILE = dict(enable_fp_fusion=False)
 _INDEX = (torch.int32, torch.int64)
@@ -154,6 +156,7 @@ def entry_args(tokens_src, tok_base, tok_max, hid_src, hid_base, pos_base, n_liv
     return EntryArgs(V, H, n, (launch, (ta, ha, pa, tok_max, S, V), consts))
 
 
+@twin(_twins.draft_entry_ref)
 def draft_entry(
     tokens_src: torch.Tensor,  # [P] int64 token ids by slot
     tok_base,  # int | [1] int32/int64: slot of row 0's token

@@ -43,6 +43,8 @@ from kernels.linear import (
     split_plan,
 )
 from kernels.tails import _inv_rms
+from kernels.twin import twin
+from reference.twins import eh_proj as _twins
 
 _COMPILE = dict(enable_fp_fusion=False)  # the entry launch's rounding (no FMA contraction)
 
@@ -108,6 +110,7 @@ def _eh_proj_kernel(
                 OUT_BF16)
 
 
+@twin(_twins.eh_proj_ref)
 def eh_proj(
     tokens_src: torch.Tensor,  # [P] int64 token ids by slot
     tok_base,  # int | [1] int32/int64: slot of row 0's token

@@ -1,5 +1,5 @@
 """Block FP8 (E4M3) kernels: dynamic activation quantization (per row, per 128 columns) and
-128×128 weight dequantization. Twins: reference/fp8_ops.py (`quantize_act_ref`,
+128×128 weight dequantization. Twins: reference/twins/fp8.py (`quantize_act_ref`,
 `dequant_block_ref`); both kernels are bit-exact with them.
 
 Dimension letters: R rows, C quantized columns, Gc = ⌈C/128⌉ column groups, B batch (experts),
@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from kernels.launch import launch_opts, pdl_enter
+from kernels.twin import twin
 from reference.params import FP8_BLOCK
+from reference.twins import fp8 as _twins
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -207,6 +209,7 @@ def check_quantized(name: str, pair, rows: int, cols: int, device) -> tuple:
     return q, s
 
 
+@twin(_twins.quantize_act_ref)
 def quantize_act(
     x: torch.Tensor,  # [R, C] bf16 / fp16 / fp32, any strides
     n_live: torch.Tensor | None = None,  # device int32 [1]; None = all rows
@@ -253,6 +256,7 @@ def quantize_act(
     return q_out, scale_out
 
 
+@twin(_twins.dequant_block_ref)
 def dequant_block(
     w: torch.Tensor,  # [..., N, K] E4M3
     scale_inv: torch.Tensor,  # [..., ⌈N/128⌉, ⌈K/128⌉] fp32

@@ -45,7 +45,9 @@ import triton
 import triton.language as tl
 
 from kernels.launch import launch_opts, pdl_enter
+from kernels.twin import twin
 from reference.kv_layout import EMPTY, KVLayout, LayerKV
+from reference.twins import kv_cache as _twins
 
 __all__ = ["EMPTY", "KVLayout", "LayerKV", "write_kv", "rollback"]
 
@@ -125,6 +127,7 @@ def _check_cache(cache: LayerKV, where: str) -> None:
         )
 
 
+@twin(_twins.write_ref)
 def write_kv(
     cache: LayerKV,
     k: torch.Tensor,  # [R, Hkv, D], last dim contiguous (views of a fused QKV output are fine)
@@ -172,6 +175,7 @@ def write_kv(
     )
 
 
+@twin(_twins.rollback_ref)
 def rollback(
     cache: LayerKV, keep_until_position, written_until_position, max_rows: int = 8, *,
     pdl: bool = False,

@@ -1,5 +1,5 @@
 """Dense projections y = x · Wᵀ for a buffer of ≤ 16 rows (≤ 8 live in a decode round).
-Twins: reference/dense_twins.py (`linear_fp8_ref`, `linear_fp8_partials_ref`,
+Twins: reference/twins/linear.py (`linear_fp8_ref`, `linear_fp8_partials_ref`,
 `linear_bf16_f32_ref`, `reduce_splits_ref`).
 
 Dimension letters: R rows in the buffer, n live rows (device int32 [1]), N output channels,
@@ -51,7 +51,9 @@ from kernels.fp8 import (
 )
 from kernels.launch import launch_opts, pdl_enter
 from kernels.linear_launch import LinearLaunch, linear_bf16_launch, linear_fp8_launch, split_plan
+from kernels.twin import twin
 from reference.params import FP8_BLOCK
+from reference.twins import linear as _twins
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs ≥ 16)
 
@@ -254,6 +256,7 @@ def linear_fp8_splits(n: int, k: int, config: LinearLaunch | None = None) -> int
     return split_plan(blocks(k), cfg.split_k)[0]
 
 
+@twin(_twins.linear_fp8_partials_ref)
 def linear_fp8_partials(
     x: torch.Tensor,  # [R, K] bf16 / fp16 / fp32, any strides; rows ≥ n may hold anything
     weight: torch.Tensor,  # [N, K] E4M3, any strides
@@ -279,6 +282,7 @@ def linear_fp8_partials(
     return out
 
 
+@twin(_twins.linear_fp8_ref)
 def linear_fp8(
     x: torch.Tensor,  # [R, K] bf16 / fp16 / fp32, any strides; rows ≥ n may hold anything
     weight: torch.Tensor,  # [N, K] E4M3, any strides
@@ -311,6 +315,7 @@ def linear_fp8(
     return _finish(partials, n, out, s, r, big_n, out_dtype, cfg, pdl=pdl)
 
 
+@twin(_twins.linear_bf16_f32_ref)
 def linear_bf16_f32(
     x: torch.Tensor,  # [R, K] bf16, any strides; rows ≥ n may hold anything
     weight: torch.Tensor,  # [N, K] bf16 (lm_head [V, H], eh_proj [H, 2H]), any strides

@@ -1,5 +1,5 @@
 """Block-FP8 MoE for 1–16 rows (target: 1–8 live rows of a decode round). Twin:
-reference/fp8_ops.py `moe_fp8_ref` (stages `moe_gate_up_fp8_ref`, `moe_down_fp8_ref`).
+reference/twins/moe.py `moe_fp8_ref` (stages `moe_gate_up_fp8_ref`, `moe_down_fp8_ref`).
 
 Dimension letters: R rows in the padded buffer (≤ 16), n live rows (device scalar), H hidden,
 E experts, K top-k, I expert intermediate, S = R·K slots (slot r·K + k is row r's k-th expert),
@@ -59,6 +59,8 @@ from kernels.fp8 import (
 )
 from kernels.launch import launch_opts, pdl_enter
 from kernels.moe_launch import MoeLaunch, moe_launch
+from kernels.twin import twin
+from reference.twins import moe as _twins
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
 
@@ -330,6 +332,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
     )
 
 
+@twin(_twins.moe_gate_up_fp8_ref)
 def moe_gate_up_fp8(
     x: torch.Tensor,  # [R, H] bf16 / fp16 / fp32 (padding rows may hold anything)
     ids: torch.Tensor,  # [R, K] int32 / int64, distinct within a row, in [0, E)
@@ -414,6 +417,7 @@ def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@twin(_twins.moe_down_fp8_ref)
 def moe_down_fp8(
     a: torch.Tensor,  # [R·K, I] fp32 from moe_gate_up_fp8
     weights: torch.Tensor,  # [R, K] fp32 router weights
@@ -440,6 +444,7 @@ def moe_down_fp8(
     return _down_combine(d, aq, sa)
 
 
+@twin(_twins.moe_fp8_ref)
 def moe_fp8(
     x: torch.Tensor,  # [R, H] expert input (normalized hidden), R ≤ 16
     weights: torch.Tensor,  # [R, K] fp32 router weights

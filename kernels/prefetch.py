@@ -1,7 +1,7 @@
 """Expert prefetch: predict a step's experts from the incoming hidden state of a sliding layer and
 pull their gate/up weights (and scales) into L2 ahead of the MoE. A cache hint only: it writes
 nothing but its own buffers (partials, ids, sink), which no other kernel reads. Twin:
-reference/prefetch.py `prefetch_experts_ref` (the predicted ids, exact).
+reference/twins/prefetch.py `prefetch_experts_ref` (the predicted ids, exact).
 
 Launches (grids fixed by R, m and the shapes, so one CUDA graph serves every n; n is read on the
 device, and every program returns at once unless min_rows ≤ n ≤ max_rows):
@@ -32,8 +32,10 @@ import triton.language as tl
 
 from kernels.fp8 import E4M3, check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
+from kernels.twin import twin
 from reference.params import FP8_BLOCK
-from reference.prefetch import SCORE_CHUNK
+from reference.twins import prefetch as _twins
+from reference.twins.prefetch import SCORE_CHUNK
 
 _COMPILE = dict(enable_fp_fusion=False)
 
@@ -165,6 +167,7 @@ class PrefetchBuffers:
                                device=device))
 
 
+@twin(_twins.prefetch_experts_ref)
 def prefetch_experts(
     hidden: torch.Tensor,  # [R, H] bf16, unit column stride (padding rows may hold anything)
     n_live: torch.Tensor,  # device int32 [1]

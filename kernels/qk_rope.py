@@ -1,5 +1,5 @@
 """Attention prologue on the QKV projection: per-head RMSNorm of q and k, partial NeoX RoPE, split
-into q / k / v heads. Twin: reference/dense_twins.py `qk_rope_ref`.
+into q / k / v heads. Twin: reference/twins/qk_rope.py `qk_rope_ref`.
 
 Dimension letters: R rows in the buffer, n live rows (device int32 [1]), S split-K partials,
 Hq / Hkv query / KV heads, D head dim, W = (Hq + 2·Hkv)·D, P table positions, rot rotary dims.
@@ -34,7 +34,9 @@ import triton.language as tl
 
 from kernels.fp8 import bf16_rne, check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
+from kernels.twin import twin
 from reference import ops
+from reference.twins import qk_rope as _twins
 
 
 @dataclass(frozen=True)
@@ -144,6 +146,7 @@ def _head_out(name, t, r, heads, d, device):
     return t
 
 
+@twin(_twins.qk_rope_ref)
 def qk_rope(
     qkv: torch.Tensor,  # [R, W] bf16, or [S, R, W] fp32 split-K partials (linear_fp8_partials)
     q_norm_weight: torch.Tensor | None,  # [D] bf16 / fp32; None (with k) = no QK-norm

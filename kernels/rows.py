@@ -11,8 +11,9 @@ logit is still one dot product in a fixed order, whatever the other rows.
   route_rows     the draft's FP32 router on a BF16 input: softmax → top-k (ties: lower index) →
                  renormalize (reference.ops.route), by kernels/tail_router.py `_route_kernel`.
                  (One program per row reading the whole 3 MB router each costs 185 µs per call
-                 at the IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round:
-                 reports/benchmarks/rank-h200/earlier-9fb341f/record.json.)
+                 at the IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round: row 9fb341f
+                 of the History table in reports/benchmarks/rank-h200/README.md; raw record:
+                 git show a1c89d8:reports/benchmarks/rank-h200/earlier-9fb341f/record.json.)
 Twins: reference.ops.rms_norm / route and the torch expressions of reference/model.py, applied
 one row at a time by iquestrt/ops.py TwinOps. Rounding points as there; bf16 stores round to
 nearest even by hand (the interpreter's cast truncates), 1/sqrt and means use IEEE division.
@@ -32,6 +33,8 @@ from kernels.fp8 import check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
 from kernels.tail_router import RouteScratch, _route_kernel, route_launch
 from kernels.tails import _bf16, _rms
+from kernels.twin import twin
+from reference.twins import rows as _twins
 
 _COMPILE = dict(enable_fp_fusion=False)
 
@@ -96,6 +99,7 @@ def _rows_2d(name: str, t: torch.Tensor, rows: int, cols: int, dtypes) -> None:
                          f"stride, got shape {tuple(t.shape)} strides {t.stride()}")
 
 
+@twin(_twins.norm_rows_ref)
 def norm_rows(
     a: torch.Tensor,  # [R, H] bf16 | fp32
     w: torch.Tensor | None,  # [H] the final norm's weight; None: no y
@@ -145,6 +149,7 @@ def norm_rows(
     return s, y
 
 
+@twin(_twins.silu_mul_rows_ref)
 def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor, *,
                   pdl: bool = False) -> torch.Tensor:
     """g, u [R, F] bf16 → act [R, F] bf16 = bf16(silu(g) · u); rows ≥ n_live untouched.
@@ -161,6 +166,7 @@ def silu_mul_rows(g: torch.Tensor, u: torch.Tensor, n_live: torch.Tensor, *,
     return out
 
 
+@twin(_twins.route_rows_ref)
 def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torch.Tensor, *,
                scratch: RouteScratch | None = None, pdl: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:

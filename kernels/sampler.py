@@ -1,5 +1,5 @@
 """Fused temperature / top-k / top-p sampler with the counter-based draw (kernel family 6).
-Twin: reference/sampling_twins.py `sample_ref` (reference.sampling.served_candidates + draw +
+Twin: reference/twins/sampler.py `sample_ref` (reference.sampling.served_candidates + draw +
 reference.rng.uniforms); results equal it bit for bit except through exp (see
 kernels/sampler_kernels.py).
 
@@ -39,9 +39,11 @@ from kernels.sampler_checks import (
 )
 from kernels.sampler_kernels import _COMPILE, _exp_kernel, _merge_kernel, _scan_kernel
 from kernels.sampler_values import DeviceSampling
+from kernels.twin import twin
 from reference.config import SamplingDefaults
 from reference.op_types import SampleOut
 from reference.rng import Purpose
+from reference.twins import sampler as _twins
 
 MAX_TOP_K = 64
 SELECTS = ("rounds", "bitonic")
@@ -171,6 +173,7 @@ def _outputs(out, rows: int, width: int, device) -> SampleOut:
     return out
 
 
+@twin(_twins.sample_ref)
 def sample(
     logits: torch.Tensor,  # [R, V] fp32, unit column stride
     params: SamplingDefaults | DeviceSampling,
@@ -186,7 +189,7 @@ def sample(
     pdl: bool = False,
 ) -> SampleOut:
     """Served top-k/top-p candidates of each row and the token drawn from them (W = top_k, or
-    1 when greedy). Twin: reference.sampling_twins.sample_ref.
+    1 when greedy). Twin: reference.twins.sampler.sample_ref.
     pdl: programmatic dependent launch (kernels/launch.py)."""
     _check("logits", logits, 2, (torch.float32,), None)
     R, V = logits.shape

@@ -1,6 +1,6 @@
 """Residual + RMSNorm tails of a layer ≥ 1 with the rank-partial sum read by NaN readiness
-(kernels/readiness.py), and the router folded into the attention tail. Twins: reference/tails.py
-(`attn_tail_ref`, `moe_tail_ref`), which also lists the rounding points.
+(kernels/readiness.py), and the router folded into the attention tail. Twins:
+reference/twins/tails.py (`attn_tail_ref`, `moe_tail_ref`), which also lists the rounding points.
 
 attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll the N partials of row
   r, a = bf16(Σ), an, h32, h, f_in as in reference/model.py; with the router also the FP32 router
@@ -43,7 +43,9 @@ from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.tail_router import RouterScratch, _router_program
 from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
+from kernels.twin import twin
 from reference.op_types import AttnTailOut, MoeTailOut
+from reference.twins import tails as _twins
 
 # a TP8 O-projection ring holds 8 ranks × S split-K partials (24 at the IQuest-Q1 rank shape,
 # S = 3; found by `bench round --tp 2` on two H200s); the sum is unrolled, one load each
@@ -231,6 +233,7 @@ def _rearm_args(rearm, dummy) -> tuple:
     return rearm, parts.stride(0), parts.stride(1), parts.shape[0]
 
 
+@twin(_twins.attn_tail_ref)
 def attn_tail(
     partials,  # [N, R, H] fp32 | bf16 o_proj partials (a ring slot) or PeerPartials; NaN: unwritten
     xn: torch.Tensor,  # [R, H] bf16 this layer's normalized input
@@ -255,7 +258,7 @@ def attn_tail(
     pdl: bool = False,
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
-    reference.tails.attn_tail_ref, padding rows untouched.
+    reference.twins.tails.attn_tail_ref, padding rows untouched.
 
     max_polls bounds the wait for the producers of the partials (other ranks, earlier
     kernels). router_max_polls bounds the router programs' wait for this kernel's own row
@@ -341,6 +344,7 @@ def attn_tail(
     return out
 
 
+@twin(_twins.moe_tail_ref)
 def moe_tail(
     partials,  # [N, R, H] fp32 | bf16 expert-output partials, or PeerPartials; NaN = unwritten
     h: torch.Tensor,  # [R, H] bf16 residual from the attention tail
@@ -358,9 +362,9 @@ def moe_tail(
     quantize: bool = False,
     pdl: bool = False,
 ) -> MoeTailOut:
-    """MoE tail of a layer ≥ 1; outputs as reference.tails.moe_tail_ref, padding rows untouched.
-    quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next layer's
-    QKV operand, so that its GEMM needs no quantization launch).
+    """MoE tail of a layer ≥ 1; outputs as reference.twins.tails.moe_tail_ref, padding rows
+    untouched. quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next
+    layer's QKV operand, so that its GEMM needs no quantization launch).
     pdl: programmatic dependent launch (kernels/launch.py)."""
     p = partials_arg(partials)
     cfg = config or tail_launch(p.shape[-1])

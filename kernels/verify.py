@@ -1,5 +1,5 @@
 """Speculative rejection verification on the device (kernel family 7).
-Twin: reference/sampling_twins.py `verify_ref` (reference.rejection.verify on densified rows);
+Twin: reference/twins/verify.py `verify_ref` (reference.rejection.verify on densified rows);
 bit-exact with it: no exp and no division other than div_rn, sums in the reference's order.
 
 Dimension letters: D drafts (buffer width; n_drafts ≤ D are live), DP = next power of two
@@ -29,7 +29,9 @@ import triton.language as tl
 from kernels.launch import launch_opts, pdl_enter
 from kernels.sampler_checks import seed_args
 from kernels.sampler_kernels import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
+from kernels.twin import twin
 from reference.op_types import VerifyOut
+from reference.twins import verify as _twins
 
 MAX_DRAFTS = 15
 MAX_WIDTH = 64
@@ -141,6 +143,7 @@ def _check(name, t, shape, dtypes, device) -> None:
 IDS = (torch.int32, torch.int64)
 
 
+@twin(_twins.verify_ref)
 def verify(
     p_ids: torch.Tensor,  # [D+1, Kp] int32/int64 target served ids (sampler output)
     p_probs: torch.Tensor,  # [D+1, Kp] fp32
@@ -155,7 +158,7 @@ def verify(
     pdl: bool = False,
 ) -> VerifyOut:
     """Accepted count, replacement or bonus token, all written on the device.
-    Twin: reference.sampling_twins.verify_ref.
+    Twin: reference.twins.verify.verify_ref.
     pdl: programmatic dependent launch (kernels/launch.py)."""
     if not isinstance(drafts, torch.Tensor) or drafts.dim() != 1:
         _fail(f"drafts must be a 1-D tensor [D], got {getattr(drafts, 'shape', drafts)}")

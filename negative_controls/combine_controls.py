@@ -1,13 +1,13 @@
 """Split-KV combine mutant, caught by gate 2 (stability bands).
 
 The split-KV combine exists only in the production kernel (kernels/attention.py): its twin,
-reference.kv_layout.attention_ref, computes each row in one pass, so there is no combine there to
-break. The control therefore runs gate 2's check on the gate's candidate (the folded-router BF16
+reference.twins.attention.attention_ref, computes each row in one pass, so there is no combine there
+to break. The control therefore runs gate 2's check on the gate's candidate (the folded-router BF16
 reference) with its attention computed by the production kernels — kernels.attention.attention,
-split programs then `attention_combine` (compiled on a GPU, interpreted on the CPU) — and the
-mutant replaces `attention_combine` with one that adds the splits' normalised outputs with
-weight 1 instead of exp(lse_s − M) (the sink still sees the true L). The band always comes from
-the unmutated FP32 / BF16 references.
+split programs then `attention_combine` (compiled on a GPU, interpreted on the CPU) — and the mutant
+replaces `attention_combine` with one that adds the splits' normalised outputs with weight 1 instead
+of exp(lse_s − M) (the sink still sees the true L). The band always comes from the unmutated FP32 /
+BF16 references.
 
 Why gate 2 and not gate 1: gate 1 on the CPU runs the twins (no split), and on a GPU its FP32
 band is m × the E4M3 reference's envelope (~30 % relative RMS on the synthetic model), wide

@@ -12,7 +12,7 @@ from iquestrt.ops import KernelOps, TwinOps
 from iquestrt.prefetch import Prefetcher
 from negative_controls.control import Control, patched
 from qualification import prefetch_gate
-from reference.prefetch import prefetch_experts_ref
+from reference.twins.prefetch import prefetch_experts_ref
 
 
 @contextmanager

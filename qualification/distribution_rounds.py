@@ -181,7 +181,7 @@ class KernelRounds:
                        torch.arange(V, device=self.device), purpose)
 
     def rows(self, case, target, draft):
-        from reference.sampling_twins import densify
+        from reference.twins.verify import densify
 
         V = case.vocab
         t = self._served(target, case.params, 0, Purpose.TARGET_SAMPLE)

@@ -3,7 +3,7 @@
 A request seed is a uint64 (reference/rng.py: the Philox key is (seed & 0xffffffff, seed >> 32));
 the engine's device state holds its bits as int64 (a seed ≥ 2^63 becomes seed − 2^64,
 DeviceState.begin), read back as the uint64 by iquestrt.live.host_seed (engine, twins) and
-reference.sampling_twins.seed_int, and by the kernels through kernels.sampler_checks.seed_args.
+reference.twins.sampler.seed_int, and by the kernels through kernels.sampler_checks.seed_args.
 For a base seed s < 2^63 and each of bits 32, 48, 63 the gate checks that s and s ^ 2^b
 
   (1) give different uniforms in the reference RNG (every purpose, positions 0 … P−1);
@@ -26,8 +26,8 @@ import torch
 from qualification import device_engine, mini_engine
 from reference.depth import FixedDepth
 from reference.rng import Purpose, uniforms
-from reference.sampling_twins import seed_int
 from reference.speculative import GenerationRequest
+from reference.twins.sampler import seed_int
 
 
 @dataclass(frozen=True)

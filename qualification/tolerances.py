@@ -434,7 +434,7 @@ _ROWS: tuple[Tolerance, ...] = (
         0.0,
         0.0,
         "a KV write and rollback move bits (K, V, int32 slot labels); the twin is "
-        "reference.kv_layout.write_ref / rollback_ref",
+        "reference.twins.kv_cache.write_ref / rollback_ref",
         "ring eviction skipped (slot = p instead of p mod C); rollback skipped after wrap",
     ),
     Tolerance(
@@ -484,7 +484,7 @@ _ROWS: tuple[Tolerance, ...] = (
     ),
     Tolerance(
         "kernels.sampler.probs", "fp32", 2.0**-21, 2.0**-21,
-        "kernel vs its twin reference.sampling_twins.sample_ref (exp32: FP64 exp rounded to "
+        "kernel vs its twin reference.twins.sampler.sample_ref (exp32: FP64 exp rounded to "
         "FP32): kernel_exp (NumPy float32 exp under the interpreter, libdevice __nv_expf on "
         "sm_90) and exp32 "
         "differ by <= 3 ulp (all fp32 z - m in [-104, 0] enumerated: 11% differ, max 3 ulp); "
@@ -554,7 +554,7 @@ _ROWS: tuple[Tolerance, ...] = (
     # kernels/residual_norm rows
     Tolerance(
         "kernels.residual_norm.exact", "bf16", 0.0, 0.0,
-        "bits that no reduction order touches (kernels/tails.py vs reference/tails.py): the "
+        "bits that no reduction order touches (kernels/tails.py vs reference/twins/tails.py): the "
         "partial sum in pinned rank order, x = bf16(h + bf16(Σ)·scale) (IEEE, no FMA), h when the "
         "o_proj output a lies on a 1/16 grid (its sum of squares is then exact in any order, so "
         "an is too); and kernel vs kernel: padded vs exact width, permuted producer arrival, "

@@ -17,7 +17,7 @@ quantization points, each one rounding, in this order:
   (m3) experts: input quantized as (m1); gate and up FP32 GEMMs (no rounding), SiLU·up in FP32
        as g / (1 + exp(−g)) · u, that intermediate quantized per slot per 128 columns (m1's
        quantizer), down FP32, the K expert outputs summed in k order with the FP32 router
-       weights, rounded once (reference/fp8_ops.py moe_fp8_ref; kernels/moe.py);
+       weights, rounded once (reference/twins/moe.py moe_fp8_ref; kernels/moe.py);
   (m4) attention reads exactly the keys each query row may see (no masked-out keys in the sums).
 Weights of block kind stay FP32 (E4M3 · scale is not on the BF16 grid). Every row is computed
 on its own (a scratch cache carries the rows before it), as the runtime's batch-invariant kernels
@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from reference import fp8_ops, ops
+from reference import ops
 from reference.config import FULL, ModelConfig
 from reference.params import BLOCK, DRAFT_PREFIX, all_specs
+from reference.twins.moe import silu_mul
 
 
 @dataclass(frozen=True)
@@ -186,7 +187,7 @@ class ReferenceModel:
             e = int(ids[0, j])
             g = ops.linear(xd, fc[e, :inter], out_dtype=torch.float32)  # [1, I]
             u = ops.linear(xd, fc[e, inter:], out_dtype=torch.float32)
-            a[j : j + 1] = fp8_ops.silu_mul(g, u)
+            a[j : j + 1] = silu_mul(g, u)
         ad = ops.dequant_act(*ops.quantize_act(a))  # [K, I]
         acc = torch.zeros(1, x.shape[1])
         for j in range(k):

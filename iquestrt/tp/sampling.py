@@ -11,7 +11,7 @@ ordered set (kernels/sampler.py docstring). Both steps exist twice, with identic
   kernels — kernels.sampler.topk_candidates / sample_from_candidates;
   twins   — torch: the reference order (reference.sampling.order_desc) over z = x / T gives the
             same int64 keys bit for bit; the final step writes the gathered z at their ids into
-            a row of −inf and runs reference.sampling_twins.sample_ref on it with T = 1
+            a row of −inf and runs reference.twins.sampler.sample_ref on it with T = 1
             (z / 1 = z exactly). Values outside the union cannot enter the top-K, and when fewer
             than K finite z exist every z outside the union is −inf already, so this row has the
             same top-K as the full one and sample_ref returns the unsharded twin's bits.
@@ -38,7 +38,7 @@ from reference.config import ConfigError, SamplingDefaults
 from reference.op_types import SampleOut
 from reference.rng import MASK32, Purpose
 from reference.sampling import SamplingError, order_desc
-from reference.sampling_twins import sample_ref
+from reference.twins.sampler import sample_ref
 
 EMPTY = -(2**63) + 1  # kernels.sampler_kernels.EMPTY: below every real key
 ID_BITS = 2**31 - 1

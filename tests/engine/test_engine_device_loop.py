@@ -1,8 +1,8 @@
-"""The device loop (iquestrt/device_loop.py) on the GPU: the WHILE node's mechanics on a toy body
-(a PyTorch op and a Triton kernel), its bounds, the bounded host wait, and bit-exactness of the
-engine's device loop against the host loop and eager launches (tokens, round records, caches).
-GPU only: PyTorch has no conditional nodes on the CPU and the CPU suite never pretends to test
-them."""
+"""The device loop (iquestrt/cond_nodes.py, iquestrt/cond_graph.py) on the GPU: the WHILE node's
+mechanics on a toy body (a PyTorch op and a Triton kernel), its bounds, the bounded host wait, and
+bit-exactness of the engine's device loop against the host loop and eager launches (tokens, round
+records, caches). GPU only: PyTorch has no conditional nodes on the CPU and the CPU suite never
+pretends to test them."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def _toy(limit: int, max_iters: int, done_at: int | None = None):
     """Body: round += 1 (torch), a Triton kernel copies round into seen[round]; done is set by
     the body when round reaches done_at."""
     from iquestrt.cond_graph import CondGraph
-    from iquestrt.device_loop import ConditionKernel
+    from iquestrt.cond_nodes import ConditionKernel
 
     mark = _mark_kernel()
     dev = torch.device("cuda")
@@ -106,7 +106,7 @@ def test_if_nodes_run_exactly_the_parts_asked_for(looping):
     run; a skipped part's kernels must not execute (its hit counter stays), and nor may any
     later part's even if its own flag would say run."""
     from iquestrt.cond_graph import CondGraph
-    from iquestrt.device_loop import ConditionKernel
+    from iquestrt.cond_nodes import ConditionKernel
 
     mark = _mark_kernel()
     dev = torch.device("cuda")
@@ -152,7 +152,7 @@ def test_if_nodes_run_exactly_the_parts_asked_for(looping):
 
 
 def test_bounded_wait_fails_instead_of_hanging():
-    from iquestrt.device_loop import DeviceTimeout, wait_bounded
+    from iquestrt.cond_nodes import DeviceTimeout, wait_bounded
 
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ≈1 s of spinning on the current stream

@@ -30,21 +30,23 @@ from reference.prefetch import (
     FitSpec,
     PrefetchError,
     Trace,
-    aggregate_ref,
     collect_traces,
     coverage,
     fit_layer,
     fit_predictors,
     load_predictors,
     main,
-    prefetch_experts_ref,
     save_predictors,
-    score_partials_ref,
-    scores_ref,
-    select_ref,
     split_requests,
 )
 from reference.synthetic import synthetic_params
+from reference.twins.prefetch import (
+    aggregate_ref,
+    prefetch_experts_ref,
+    score_partials_ref,
+    scores_ref,
+    select_ref,
+)
 
 CFG = preset("tiny")
 SLIDING = CFG.target.sliding_layers

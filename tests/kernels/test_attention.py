@@ -1,4 +1,4 @@
-"""Split-KV decode/verification attention vs its twin (reference.kv_layout.attention_ref) and
+"""Split-KV decode/verification attention vs its twin (reference.twins.attention.attention_ref) and
 vs ops.attention over the complete history; visibility read back through the slot labels;
 broken variants that must fail; bit-exact gates; NaN-poisoned outputs and garbage padding.
 
@@ -31,7 +31,8 @@ from kernels.attention import (
 from kernels.kv_cache import KVLayout, LayerKV, rollback, write_kv
 from qualification.tolerances import check
 from reference import ops
-from reference.kv_layout import attention_ref, window_positions, write_ref
+from reference.twins.attention import attention_ref, window_positions
+from reference.twins.kv_cache import write_ref
 
 HQ, HKV, D = 12, 2, 32
 SCALE = D**-0.5

@@ -1,4 +1,4 @@
-"""kernels/fp8.py against its twins (reference/fp8_ops.py): activation quantization and block
+"""kernels/fp8.py against its twins (reference/twins/fp8.py): activation quantization and block
 dequantization must be bit-exact (rows 'kernels.fp8.*' of qualification/tolerances.py).
 
 Dimension letters: R rows, C columns, E experts, N weight rows, K weight columns.
@@ -12,7 +12,7 @@ import torch
 from kernels.fp8 import E4M3, dequant_block, quantize_act
 from qualification.tolerances import check, tolerance
 from reference import ops
-from reference.fp8_ops import dequant_block_ref, quantize_act_ref
+from reference.twins.fp8 import dequant_block_ref, quantize_act_ref
 from tests.kernels.sm90 import compile_sm90
 
 E4M3_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3)  # all 256 codes

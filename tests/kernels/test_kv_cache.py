@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kernels.kv_cache import EMPTY, KVLayout, LayerKV, rollback, write_kv
 from qualification.tolerances import check
-from reference.kv_layout import rollback_ref, write_ref
+from reference.twins.kv_cache import rollback_ref, write_ref
 
 WIDTH = 8  # verification kernel width: rows written before reading
 HKV, D = 2, 16

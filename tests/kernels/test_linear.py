@@ -1,4 +1,4 @@
-"""kernels/linear.py against its twins (reference/dense_twins.py): block-FP8 and BF16 dense
+"""kernels/linear.py against its twins (reference/twins/linear.py): block-FP8 and BF16 dense
 projections, split-K partials and their pinned-order reduction.
 
 Two kinds of inputs:
@@ -34,7 +34,7 @@ from kernels.linear import (
 )
 from qualification.tolerances import check, grid_steps, tolerance
 from reference import ops
-from reference.dense_twins import (
+from reference.twins.linear import (
     linear_bf16_f32_ref,
     linear_fp8_partials_ref,
     linear_fp8_ref,

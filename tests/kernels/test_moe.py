@@ -1,4 +1,4 @@
-"""kernels/moe.py against its twins (reference/fp8_ops.py), stage by stage, end to end, and
+"""kernels/moe.py against its twins (reference/twins/moe.py), stage by stage, end to end, and
 against the unquantized FP32 reference ops.moe (the qualification metric for FP8 GEMMs).
 
 Inputs are snapped: x is E4M3 codes × a power-of-two group scale with ±448 in every group (its
@@ -26,7 +26,7 @@ from kernels.fp8 import E4M3
 from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8, moe_launch
 from qualification.tolerances import check, grid_steps, tolerance
 from reference import ops
-from reference.fp8_ops import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
+from reference.twins.moe import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
 from tests.kernels.sm90 import compile_sm90
 
 CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(E4M3).float()

@@ -1,6 +1,6 @@
-"""kernels/prefetch.py against its twin reference.prefetch.prefetch_experts_ref: predicted ids and
-score partials bit for bit, warm loads that read exactly the predicted experts' gate/up and scale
-bytes (the sink's byte sums), gating by the device live count, and no write outside the
+"""kernels/prefetch.py against its twin reference.twins.prefetch.prefetch_experts_ref: predicted ids
+and score partials bit for bit, warm loads that read exactly the predicted experts' gate/up and
+scale bytes (the sink's byte sums), gating by the device live count, and no write outside the
 prefetch's own buffers.
 
 Poison: padding rows of hidden hold ±3e38-scale values (bf16-exact) that would dominate every
@@ -21,7 +21,7 @@ import torch
 from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.prefetch import PrefetchBuffers, prefetch_experts, prefetch_launch
-from reference.prefetch import (
+from reference.twins.prefetch import (
     aggregate_ref,
     prefetch_experts_ref,
     score_partials_ref,

@@ -1,4 +1,4 @@
-"""kernels/qk_rope.py against its twin (reference/dense_twins.py qk_rope_ref): bit-exact for bf16
+"""kernels/qk_rope.py against its twin (reference/twins/qk_rope.py qk_rope_ref): bit-exact for bf16
 qkv and for FP32 split-K partials, and close to the literal reference/model.py `_attn` path
 (ops.rms_norm + ops.rope) — rows "kernels.qk_rope*" of qualification/tolerances.py.
 
@@ -23,7 +23,7 @@ from kernels.linear import LinearLaunch, linear_fp8, linear_fp8_partials
 from kernels.qk_rope import RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
 from reference import ops
-from reference.dense_twins import head_rms_norm_ref, qk_rope_ref
+from reference.twins.qk_rope import head_rms_norm_ref, qk_rope_ref
 from tests.kernels.sm90 import fusion_counts
 
 EPS = 1e-6

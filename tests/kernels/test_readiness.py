@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from kernels.readiness import PartialRing, ProtocolSim, RingPolicy, explore
 from kernels.tails import RouterScratch, attn_tail, moe_tail
 from qualification.tolerances import check
-from reference.tails import attn_tail_ref, moe_tail_ref
+from reference.twins.tails import attn_tail_ref, moe_tail_ref
 
 # NaN partials are the point here; the interpreter's numpy warns about them
 pytestmark = pytest.mark.filterwarnings("ignore:.*(invalid value|All-NaN):RuntimeWarning")

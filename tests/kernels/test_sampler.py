@@ -2,7 +2,7 @@
   (a) a scalar numpy-fp32 replay of reference/sampling.py's pinned semantics taking exp from
       kernels.sampler.kernel_exp (the exp the kernel runs): ids, order, probabilities and tokens
       bit-exact (row kernels.sampler.ids / kernels.sampler.token);
-  (b) the twin reference.sampling_twins.sample_ref (torch.exp): probabilities within
+  (b) the twin reference.twins.sampler.sample_ref (torch.exp): probabilities within
       kernels.sampler.probs, ids and tokens exact wherever every decision of the row (orders,
       the top-p crossing, the draw's CDF interval) is farther from its threshold than
       decision_margin(K); nearer rows are counted and reported, never chosen away.
@@ -42,7 +42,7 @@ from qualification.tolerances import check, tolerance
 from reference.config import SamplingDefaults as SP
 from reference.ops import exp32
 from reference.rng import Purpose, uniforms
-from reference.sampling_twins import sample_ref
+from reference.twins.sampler import sample_ref
 from tests.reference.test_sampling import _drop_crossing_token, served_f64
 
 F32 = np.float32

@@ -13,7 +13,7 @@ from kernels.sampler import SamplerLaunch, sample, sample_from_candidates, topk_
 from kernels.sampler_values import DeviceSampling
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
-from reference.sampling_twins import sample_ref
+from reference.twins.sampler import sample_ref
 from tests.kernels.test_sampler import make_logits
 
 V = 1000

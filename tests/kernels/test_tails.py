@@ -1,6 +1,6 @@
 """kernels/tails.py (attention tail + folded router, MoE tail) against the twins of
-reference/tails.py, the twins against reference/model.py ("bf16-fold"), broken variants, poisoned
-outputs and padding, and the sm_90 build. Readiness and the ring: test_readiness.py.
+reference/twins/tails.py, the twins against reference/model.py ("bf16-fold"), broken variants,
+poisoned outputs and padding, and the sm_90 build. Readiness and the ring: test_readiness.py.
 
 Inputs: "grid" cases put the o_proj output a on a 1/16 grid (small integers split into integer
 parts over the N partials), so every partial sum and every sum of squares of a is exact in any
@@ -33,7 +33,7 @@ from reference import ops
 from reference.config import preset
 from reference.model import ReferenceModel
 from reference.synthetic import synthetic_params
-from reference.tails import (
+from reference.twins.tails import (
     AttnTailOut,
     MoeTailOut,
     attn_tail_ref,

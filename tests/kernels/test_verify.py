@@ -1,4 +1,4 @@
-"""kernels/verify.py against its twin reference.sampling_twins.verify_ref
+"""kernels/verify.py against its twin reference.twins.verify.verify_ref
 (reference.rejection.verify on the densified rows): bit-exact (row kernels.verify). p and q
 come from the reference sampler itself, so both sides see the same fp32 values; the cases
 cover D = 0…7, greedy and top-k/top-p rows, ties, acceptance exactly at fl(u·q) = p, a
@@ -23,7 +23,8 @@ from reference.op_types import VerifyOut
 from reference.rejection import residual_distribution
 from reference.rng import Purpose, uniforms
 from reference.sampling import draw
-from reference.sampling_twins import densify, sample_ref, verify_ref
+from reference.twins.sampler import sample_ref
+from reference.twins.verify import densify, verify_ref
 
 POISON = -7
 

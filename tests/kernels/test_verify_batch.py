@@ -1,5 +1,5 @@
 """kernels.verify.verify_batch: B rounds in one launch, each exactly its twin
-reference.sampling_twins.verify_ref with the shared seed and its own first position, and exactly
+reference.twins.verify.verify_ref with the shared seed and its own first position, and exactly
 the one-round `verify` (row kernels.verify)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kernels.verify import verify_batch
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
 from reference.op_types import VerifyOut
-from reference.sampling_twins import verify_ref
+from reference.twins.verify import verify_ref
 from tests.kernels.test_verify import PARAMS, run, sampled_round
 
 SEED = 2**63 + 12345

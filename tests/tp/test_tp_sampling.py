@@ -38,7 +38,7 @@ from kernels import sampler as k_sampler
 from kernels.sampler_values import DeviceSampling
 from reference.config import SamplingDefaults
 from reference.rng import Purpose
-from reference.sampling_twins import sample_ref
+from reference.twins.sampler import sample_ref
 
 RANK_TIMEOUT_S = 60.0  # bound on each collective while a peer interprets its kernels
 SPAWN_TIMEOUT_S = 300.0

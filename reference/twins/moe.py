@@ -1,12 +1,10 @@
-"""Matched-precision twins of the block-FP8 kernels (kernels/fp8.py, kernels/moe.py), built from
-reference/ops.py in plain torch. Each twin takes the kernel's arguments and rounds at exactly the
-kernel's quantization points; what remains between the two is FP32 accumulation order (and
+"""Twins of the block-FP8 MoE (kernels/moe.py): gate/up with SiLU·mul and the
+activation's requantization, then down, summed over the routed experts. Each rounds at exactly
+the kernel's quantization points; what remains between the two is FP32 accumulation order (and
 ulp-level exp differences inside SiLU).
 
 Dimension letters: R rows in the buffer, n live rows, H hidden, E experts, K top-k, I expert
 intermediate, S = R·K slots (slot r·K + k is row r's k-th expert).
-Twins compute on the CPU and return CPU tensors of the live rows only ([n, …] / [n·K, …]); the
-kernels leave padding rows untouched.
 """
 
 from __future__ import annotations
@@ -14,23 +12,7 @@ from __future__ import annotations
 import torch
 
 from reference import ops
-
-
-def _n_live(n_live, rows: int) -> int:
-    if n_live is None:
-        return rows
-    return int(torch.as_tensor(n_live).reshape(-1)[0].item())
-
-
-def quantize_act_ref(x: torch.Tensor, n_live=None, *, rows_per_live: int = 1):
-    """Twin of kernels.fp8.quantize_act: reference.ops.quantize_act on the live rows."""
-    n = min(x.shape[0], _n_live(n_live, x.shape[0]) * rows_per_live)
-    return ops.quantize_act(x[:n].cpu())
-
-
-def dequant_block_ref(w: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Twin of kernels.fp8.dequant_block."""
-    return ops.dequant_block(w.cpu(), scale_inv.cpu())
+from reference.twins.fp8 import _n_live
 
 
 def silu_mul(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
