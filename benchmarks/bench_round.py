@@ -8,8 +8,8 @@ kernels), and the CUDA operations the decode loop executed per round (profiled o
 request: kernels inside graphs and IF nodes counted, depths an IF node skipped not).
 
 Timing: the request's decode loop only (prefill, loading and capture excluded): wall time
-between synchronizations around `Engine._loop`, median of --reps requests, configurations
-interleaved per repetition.
+between synchronizations around the engine's loop phase (LoopProbe), median of --reps requests,
+configurations interleaved per repetition.
 
     python3 -m benchmarks.bench_round [--depths 3 4 5 6 7] [--modes eager graph device]
         [--tokens 128] [--reps 3] [--sync-rounds 8] [--json F]
@@ -34,6 +34,7 @@ import torch
 
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
+from iquestrt.engine_parts import EngineObserver, EngineParts
 from iquestrt.round import RoundProgram
 from iquestrt.weights import from_checkpoint
 from reference.checkpoint import load_checkpoint
@@ -46,26 +47,60 @@ PROMPT = tuple(range(5, 69))
 MODES = ("eager", "graph", "device")
 
 
-def timed_request(eng: Engine, req: GenerationRequest) -> tuple[float, object]:
-    """Wall time of the decode loop (prefill, state setup and capture excluded)."""
-    inner, box = eng._loop, {}
+class LoopProbe(EngineObserver):
+    """The benchmark's observer of an engine's phases: while armed ("time" or "profile") it
+    wraps the next request's launcher in a CountingLauncher and times, or profiles, its decode
+    loop; unarmed it changes nothing."""
 
-    def loop(st, launcher, *rest):
-        counted = CountingLauncher(launcher)
+    def __init__(self):
+        self.mode: str | None = None
+        self.box: dict = {}
+        self.counted: CountingLauncher | None = None
+
+    def prepare(self, eng, st, run):
+        launcher = run()
+        if self.mode != "time":
+            return launcher
+        self.counted = CountingLauncher(launcher)
+        return self.counted
+
+    def loop(self, eng, st, launch_rounds) -> None:
+        if self.mode is None:
+            return launch_rounds()
         torch.cuda.synchronize()
+        if self.mode == "profile":
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                launch_rounds()
+                torch.cuda.synchronize()
+            self.box["n"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+            return None
         t0 = time.perf_counter()
-        inner(st, counted, *rest)
+        launch_rounds()
         torch.cuda.synchronize()
-        box["t"] = time.perf_counter() - t0
-        box["reads"], box["launched"] = counted.reads, counted.launched
+        self.box["t"] = time.perf_counter() - t0
+        return None
 
-    eng._loop = loop
-    try:
-        res = eng.generate(req)
-    finally:
-        eng._loop = inner
-    launched = box["launched"] if box["launched"] is not None else len(res.rounds)
-    return box["t"], res, box["reads"], launched
+    def run(self, eng: Engine, req: GenerationRequest, mode: str):
+        self.mode, self.box = mode, {}
+        try:
+            return eng.generate(req)
+        finally:
+            self.mode = None
+
+
+def probed_engine(weights, rc: RuntimeConfig) -> tuple[Engine, LoopProbe]:
+    probe = LoopProbe()
+    return Engine(weights, rc, parts=EngineParts.default(weights, rc).with_observers(probe)), probe
+
+
+def timed_request(eng: Engine, probe: LoopProbe, req: GenerationRequest):
+    """Wall time of the decode loop (prefill, state setup and capture excluded) → (seconds,
+    result, log reads, rounds launched)."""
+    res = probe.run(eng, req, "time")
+    c = probe.counted
+    return probe.box["t"], res, c.reads, c.launched if c.launched is not None else len(res.rounds)
 
 
 class CountingLauncher:
@@ -112,27 +147,12 @@ def launches_per_round(eng: Engine, req: GenerationRequest) -> int:
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
 
 
-def loop_ops_per_round(eng: Engine, req: GenerationRequest) -> float:
+def loop_ops_per_round(eng: Engine, probe: LoopProbe, req: GenerationRequest) -> float:
     """CUDA operations executed per round by the request's decode loop (kernels inside graph
     launches and conditional nodes included; the log reads' copies too): unlike the eager
     program's launch count it sees the depths an IF node skipped."""
-    from torch.profiler import ProfilerActivity, profile
-
-    inner, box = eng._loop, {}
-
-    def loop(st, launcher, *rest):
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            inner(st, launcher, *rest)
-            torch.cuda.synchronize()
-        box["n"] = sum(1 for e in prof.events() if e.device_type.name == "CUDA")
-
-    eng._loop = loop
-    try:
-        res = eng.generate(req)
-    finally:
-        eng._loop = inner
-    return box["n"] / len(res.rounds)
+    res = probe.run(eng, req, "profile")
+    return probe.box["n"] / len(res.rounds)
 
 
 def main(argv=None) -> int:
@@ -163,13 +183,13 @@ def main(argv=None) -> int:
             rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512,
                                policy=policy, graphs=mode != "eager", sync_rounds=args.sync_rounds,
                                loop="device" if mode == "device" else "host")
-            engines[d, mode] = Engine(from_checkpoint(ck, "cuda", 512), rc)
-            engines[d, mode].generate(req)  # JIT-compile everything first
+            engines[d, mode] = probed_engine(from_checkpoint(ck, "cuda", 512), rc)
+            engines[d, mode][0].generate(req)  # JIT-compile everything first
     times = {k: [] for k in engines}
     results, counts = {}, {}
     for rep in range(args.reps):
-        for k, eng in engines.items():
-            t, res, reads, launched = timed_request(eng, req)
+        for k, (eng, probe) in engines.items():
+            t, res, reads, launched = timed_request(eng, probe, req)
             times[k].append(t)
             results[k], counts[k] = res, (reads, launched)
         print(f"rep {rep + 1}/{args.reps} done", flush=True)
@@ -178,8 +198,9 @@ def main(argv=None) -> int:
         res = results[d, mode]
         t = statistics.median(ts)
         n_r, n_tok = len(res.rounds), len(res.tokens) - 1
-        launches = launches_per_round(engines[d, mode], req)
-        ops = loop_ops_per_round(engines[d, mode], req)
+        eng, probe = engines[d, mode]
+        launches = launches_per_round(eng, req)
+        ops = loop_ops_per_round(eng, probe, req)
         rows.append(dict(depth=d, width=res.rounds and max(len(r.drafts) for r in res.rounds) + 1,
                          mode=mode, rounds=n_r, launches=launches, loop_ops=ops,
                          tokens_per_round=n_tok / n_r, round_us=t / n_r * 1e6,

@@ -34,9 +34,9 @@ W served width (top_k, 1 when greedy).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -44,12 +44,10 @@ import triton
 from iquestrt.cache import RuntimeCaches
 from iquestrt.cond_nodes import DeviceTimeout, wait_bounded
 from iquestrt.config import RuntimeConfig
-from iquestrt.draft import DraftModel
+from iquestrt.engine_parts import EngineParts, sample_first
 from iquestrt.errors import RuntimeFault
-from iquestrt.graphs import RoundPrograms
-from iquestrt.model import TargetModel
-from iquestrt.ops import Live, make_ops
 from iquestrt.prefetch import PrefetchConfig, Prefetcher, has_predictors
+from iquestrt.session import Session
 from iquestrt.state import (
     FAULT_DRAFT_LOGITS,
     FAULT_READINESS,
@@ -63,7 +61,6 @@ from iquestrt.weights import Weights, load_weights
 from kernels.sampler import MAX_TOP_K
 from kernels.sampler_values import DeviceSampling
 from reference.depth import DraftInfo
-from reference.rng import Purpose
 from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, emit
 
 STREAM_TOKENS = 32  # a streaming request's host reads the log about every this many tokens
@@ -71,19 +68,6 @@ STREAM_TOKENS = 32  # a streaming request's host reads the log about every this 
 
 class EngineError(RuntimeFault):
     """A fault during a request (readiness, non-finite logits, bad token); names where."""
-
-
-@dataclass
-class Session:
-    """State of the running (or last) request; on_round callbacks may inspect it."""
-
-    req: GenerationRequest
-    caches: RuntimeCaches
-    flags: torch.Tensor  # [L] int32: readiness failure flag of each target layer
-    tokens: list[int]  # prompt + emitted tokens, by position
-    rounds: int = 0
-    result: GenerationResult = field(default_factory=lambda: GenerationResult(tokens=[]))
-    device: DeviceState | None = None
 
 
 def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
@@ -95,9 +79,11 @@ def _entropy(ids: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 class Engine:
-    TENSOR_PARALLEL = False  # TPEngine: True
+    """The round loop over the parts it is given (iquestrt/engine_parts.py): by default the
+    single-GPU engine's, built from the weights and RuntimeConfig."""
 
-    def __init__(self, weights: Weights, rcfg: RuntimeConfig, prefetcher=None):
+    def __init__(self, weights: Weights, rcfg: RuntimeConfig, prefetcher=None,
+                 parts: EngineParts | None = None):
         cfg = weights.cfg
         rcfg.validate_for(cfg)
         if weights.device != rcfg.torch_device:
@@ -106,16 +92,17 @@ class Engine:
         if weights.max_positions < rcfg.positions_cap(cfg):
             raise ValueError(f"Engine: RoPE tables cover {weights.max_positions} positions, "
                              f"RuntimeConfig.max_positions needs {rcfg.positions_cap(cfg)}")
-        if rcfg.tp_reduce != "gather" and not self.TENSOR_PARALLEL:
+        if parts is not None and prefetcher is not None:
+            raise ValueError("Engine: pass the prefetcher inside parts (EngineParts.default) "
+                             "when parts are given")
+        parts = parts if parts is not None else EngineParts.default(weights, rcfg, prefetcher)
+        if rcfg.tp_reduce != "gather" and not parts.tensor_parallel:
             raise ValueError(f"Engine: RuntimeConfig.tp_reduce {rcfg.tp_reduce!r} applies to "
                              "tensor parallelism (iquestrt.tp.engine.TPEngine); one rank has no "
                              "partials to reduce")
-        self.w, self.rcfg, self.cfg = weights, rcfg, cfg
-        self.ops = make_ops(rcfg.ops, rcfg.device, rcfg.max_polls, rcfg.pdl)
-        self.target = TargetModel(weights, self.ops, rcfg.max_width,
-                                  prefetcher if rcfg.prefetch else None)
-        self.draft = DraftModel(weights, self.ops, rcfg.max_width)
-        self.programs = RoundPrograms(rcfg.graphs, rcfg.loop)
+        self.w, self.rcfg, self.cfg, self.parts = weights, rcfg, cfg, parts
+        self.ops, self.target, self.draft = parts.ops, parts.target, parts.draft
+        self.programs = parts.programs
         self.session: Session | None = None
         # kept across requests so a captured round graph stays valid (it reads these tensors)
         self._caches: RuntimeCaches | None = None
@@ -173,8 +160,18 @@ class Engine:
                 f"{cap} (RuntimeConfig.max_positions)"
             )
 
+    def swap_ops(self, ops) -> object:
+        """Run the models on `ops` from now on (a table that wraps the current one: the
+        lockstep gate, planted defects, a recorder) → the table it replaces. Graphs captured
+        before keep the kernels they captured."""
+        old = self.ops
+        self.ops = self.target.ops = self.draft.ops = ops
+        return old
+
     # --- faults --------------------------------------------------------------------------------
-    def _check(self, where: str, st: Session, logits: torch.Tensor, n: int, target: bool):
+    def check_logits(self, where: str, st: Session, logits: torch.Tensor, n: int, target: bool):
+        """EngineError when a target layer raised its readiness flag or the first n rows of
+        logits are not finite."""
         if target and bool(st.flags.any()):
             layer = int(torch.nonzero(st.flags)[0, 0])
             raise EngineError(f"{where}: readiness failure flag raised by target layer {layer} "
@@ -200,6 +197,15 @@ class Engine:
         round when on_round watches; when streaming (on_tokens), about every STREAM_TOKENS
         tokens, handing on_tokens the new tokens — it returns False to cancel the request
         (stop_reason "cancelled"); else every RuntimeConfig.sync_rounds rounds."""
+        return self._observed("request", lambda: self._generate(req, on_round, on_tokens))
+
+    def _observed(self, phase: str, run: Callable, *args):
+        """run() wrapped by every observer's `phase` method, the first observer innermost."""
+        for o in self.parts.observers:
+            run = functools.partial(getattr(o, phase), self, *args, run)
+        return run()
+
+    def _generate(self, req: GenerationRequest, on_round, on_tokens) -> GenerationResult:
         self.validate(req)
         st = Session(req, *self._request_caches(), list(req.prompt_ids))
         self.session = st
@@ -229,7 +235,7 @@ class Engine:
         emptied for a new request: the same tensors every request, so round graphs captured on
         them serve later requests."""
         if self._caches is None:
-            self._caches = self._new_caches(self.rcfg.positions_cap(self.cfg))
+            self._caches = self.parts.new_caches(self.rcfg.positions_cap(self.cfg))
             self._flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32,
                                       device=self.w.device)
         else:
@@ -237,57 +243,24 @@ class Engine:
             self._flags.zero_()
         return self._caches, self._flags
 
-    def _new_caches(self, capacity: int) -> RuntimeCaches:
-        return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device)
-
     def _prefill(self, st: Session) -> tuple[int, torch.Tensor]:
-        """Target over the prompt, then the first token and the draft's prefill
-        → (token, target hidden of the prompt [n, H])."""
-        last_logits, hidden = self._prefill_target(st)
-        return self._finish_prefill(st, last_logits, hidden)
-
-    def _prefill_target(self, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target over the prompt in chunks of max_width rows → (last logits row [1, V],
-        target final hidden of the prompt [n, H]); the target caches hold positions 0 … n−1.
-        (iquestrt/snapshot.py restores this instead of running it.)"""
-        n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
-        hidden = []
-        for c in range(0, n, rows):
-            chunk = torch.tensor(st.tokens[c : c + rows], device=dev)
-            logits, h = self.target.forward(chunk, c, st.caches, st.flags)
-            self._check("prefill", st, logits, chunk.shape[0], True)
-            hidden.append(h[: chunk.shape[0]].clone())
-        st.caches.settle_target(self.ops, n, n)
-        last = chunk.shape[0] - 1
-        return logits[last : last + 1], torch.cat(hidden)
-
-    def _finish_prefill(self, st: Session, last_logits: torch.Tensor, hidden: torch.Tensor
-                        ) -> tuple[int, torch.Tensor]:
-        """The first token from the last prompt row, then the draft over positions 1 … n−1
-        (row p: token at p, target hidden of p − 1), in chunks of max_width rows."""
-        n, rows, dev = len(st.tokens), self.rcfg.max_width, self.w.device
-        s = self.ops.sample(last_logits, st.req.sampling, st.req.seed,
-                            torch.tensor([n], device=dev), Purpose.TARGET_SAMPLE, Live.of(1, dev))
-        tok = self._token("prefill", s.tokens[0])
+        """Target over the prompt, the first token from its last row, then the draft's prefill
+        (EngineParts.prefill says where each comes from) → (token, target hidden [n, H])."""
+        last_logits, hidden = self.parts.prefill.target(self, st)
+        tok = self._token("prefill", sample_first(self, st, last_logits).tokens[0])
         if self.rcfg.policy.max_depth > 0:
-            c = st.caches
-            for s0 in range(c.draft_next, n, rows):
-                e = min(s0 + rows, n)
-                toks = torch.tensor(st.tokens[s0:e], device=dev)
-                lg, _ = self.draft.forward(toks, hidden[s0 - 1 : e - 1], s0, c.draft)
-                c.draft_next = e
-                self._check("prefill", st, lg, e - s0, False)
+            self.parts.prefill.draft(self, st, hidden)
         return tok, hidden
 
     def _decode(self, st: Session, hidden: torch.Tensor, on_round, on_tokens=None) -> None:
         t, built = time.perf_counter(), self.programs.built
-        launcher = self._prepare(st, hidden)
+        launcher = self._observed("prepare", lambda: self._prepare(st, hidden), st)
         if self.w.device.type == "cuda":
             torch.cuda.synchronize(self.w.device)  # once a request: the set-up's end, timed
         st.result.timing.setup_s = time.perf_counter() - t
         st.result.timing.captured = self.rcfg.graphs and self.programs.built > built
         t = time.perf_counter()
-        self._loop(st, launcher, on_round, on_tokens)
+        self._observed("loop", lambda: self._loop(st, launcher, on_round, on_tokens), st)
         st.result.timing.decode_s = time.perf_counter() - t  # the loop ends on a log read
 
     def _prepare(self, st: Session, hidden: torch.Tensor):

@@ -26,7 +26,7 @@ from kernels import verify as k_verify
 from kernels.fp8 import E4M3
 from kernels.launch import check_pdl
 from kernels.peer_partials import RingRead
-from kernels.tail_router import RouteScratch
+from kernels.router import RouteScratch
 from reference.op_types import (
     AttnTailOut,
     EntryNorms,

@@ -3,7 +3,7 @@ is saved and later requests over the same prompt restore it instead of recomputi
 the rest of a request exactly as Engine.generate does: draft prefill, sampling of the first
 token, the round program (graph capture when on) and decode.
 
-What a snapshot holds (everything Engine._prefill's target pass leaves behind that later steps
+What a snapshot holds (everything the engine's target prefill leaves behind that later steps
 read): each target layer's cache (K, V, slot labels; a full layer's first n slots — slot(p) = p,
 the rest are unwritten —, a ring's every slot), the target's final hidden states of the n prompt
 positions (the draft prefill and the first round read them), and the last prompt position's
@@ -36,7 +36,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from iquestrt.cache import RuntimeCaches
-from iquestrt.engine import Engine, EngineError, Session
+from iquestrt.engine import Engine, EngineError
+from iquestrt.engine_parts import EngineParts, ModelPrefill
+from iquestrt.session import Session
 from kernels.qk_rope import RopeTable
 from reference.kv_layout import EMPTY, LayerKV
 from reference.speculative import GenerationRequest, GenerationResult
@@ -192,11 +194,32 @@ class PrefillSnapshot:
         return snap
 
 
-class SnapshotEngine(Engine):
-    """Engine with take_snapshot() and generate_from_snapshot(); generate() is unchanged."""
+class ReplayPrefill(ModelPrefill):
+    """The engine's prefill part: the target pass restored from `snap` while one is set (a
+    request of generate_from_snapshot), else run; the draft's prefill runs either way."""
 
-    _replay: PrefillSnapshot | None = None
+    snap: PrefillSnapshot | None = None
+
+    def target(self, eng: Engine, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
+        snap = self.snap
+        if snap is None:
+            return super().target(eng, st)
+        n, dev = len(st.tokens), eng.w.device
+        _restore(st.caches, snap)
+        st.caches.settle_target(eng.ops, n, n)
+        return snap.last_logits.to(dev), snap.hidden.to(dev).clone()
+
+
+class SnapshotEngine(Engine):
+    """Engine with take_snapshot() and generate_from_snapshot(): its prefill part is a
+    ReplayPrefill; generate() is unchanged."""
+
     _wdigest: str | None = None
+
+    def __init__(self, weights, rcfg, prefetcher=None, parts: EngineParts | None = None):
+        parts = parts if parts is not None else EngineParts.default(weights, rcfg, prefetcher)
+        self.replay = ReplayPrefill()
+        super().__init__(weights, rcfg, parts=dataclasses.replace(parts, prefill=self.replay))
 
     @property
     def weights_sha256(self) -> str:
@@ -210,7 +233,7 @@ class SnapshotEngine(Engine):
                            r.max_width, r.ring_pad, r.ops, self.w.device.type)
 
     def take_snapshot(self, prompt_ids) -> PrefillSnapshot:
-        """The target prefill of Engine._prefill (chunks of max_width rows) over the prompt."""
+        """The engine's target prefill (ModelPrefill: chunks of max_width rows) over the prompt."""
         ids = tuple(int(t) for t in prompt_ids)
         req = GenerationRequest(ids, 1, self.cfg.sampling, 0)  # only for the prompt's checks
         req.validate(self.cfg.target.vocab_size, self.cfg.target.max_position_embeddings)
@@ -218,7 +241,7 @@ class SnapshotEngine(Engine):
         caches = RuntimeCaches.create(self.cfg, self.rcfg, n + rows, dev)
         flags = torch.zeros(self.cfg.target.num_hidden_layers, dtype=torch.int32, device=dev)
         st = Session(req, caches, flags, list(ids))
-        last_logits, hidden = Engine._prefill_target(self, st)
+        last_logits, hidden = ModelPrefill().target(self, st)
         ks, vs, labels = [], [], []
         for i, layer in enumerate(caches.target):
             lab = layer.slot_pos
@@ -257,33 +280,24 @@ class SnapshotEngine(Engine):
         """Engine.generate with the target prefill restored from `snap`."""
         self.validate(req)
         self.check_snapshot(req, snap)
-        self._replay = snap
+        self.replay.snap = snap
         try:
             return self.generate(req, on_round, on_tokens)
         finally:
-            self._replay = None
+            self.replay.snap = None
 
-    def _prefill_target(self, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
-        snap = self._replay
-        if snap is None:
-            return super()._prefill_target(st)
-        n, dev = len(st.tokens), self.w.device
-        self._restore(st.caches, snap)
-        st.caches.settle_target(self.ops, n, n)
-        return snap.last_logits.to(dev), snap.hidden.to(dev).clone()
 
-    @staticmethod
-    def _restore(caches: RuntimeCaches, snap: PrefillSnapshot) -> None:
-        for i, layer in enumerate(caches.target):
-            k, v, lab = snap.k[i], snap.v[i], snap.slot_pos[i]
-            c, cap = lab.shape[0], layer.layout.capacity
-            ok = c == cap if layer.layout.ring else c <= cap
-            if not ok or k.shape != (c, *layer.k.shape[1:]) or v.shape != k.shape:
-                kind = "ring" if layer.layout.ring else "full"
-                raise SnapshotError(f"snapshot: target layer {i} holds K {tuple(k.shape)} / "
-                                    f"labels [{c}], the request's cache is "
-                                    f"{tuple(layer.k.shape)} ({kind})")
-            _copy_into(layer, k, v, lab)
+def _restore(caches: RuntimeCaches, snap: PrefillSnapshot) -> None:
+    for i, layer in enumerate(caches.target):
+        k, v, lab = snap.k[i], snap.v[i], snap.slot_pos[i]
+        c, cap = lab.shape[0], layer.layout.capacity
+        ok = c == cap if layer.layout.ring else c <= cap
+        if not ok or k.shape != (c, *layer.k.shape[1:]) or v.shape != k.shape:
+            kind = "ring" if layer.layout.ring else "full"
+            raise SnapshotError(f"snapshot: target layer {i} holds K {tuple(k.shape)} / "
+                                f"labels [{c}], the request's cache is "
+                                f"{tuple(layer.k.shape)} ({kind})")
+        _copy_into(layer, k, v, lab)
 
 
 def _copy_into(layer: LayerKV, k: torch.Tensor, v: torch.Tensor, lab: torch.Tensor) -> None:

@@ -24,7 +24,8 @@ from kernels.attention_common import (
     n_live_tensor,
     rne_bf16,
 )
-from kernels.fp8 import check_quantized, quantize_row
+from kernels.checks import check_quantized
+from kernels.fp8 import quantize_row
 from kernels.launch import launch_opts, pdl_enter
 
 

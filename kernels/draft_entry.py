@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_tensor, live_count
+from kernels.checks import check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
 from kernels.tails import _bf16, _rms
 from kernels.twin import twin

@@ -26,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import check_tensor
 from kernels.draft_entry import _base, _row_sources, _unit_cols, entry_args
-from kernels.fp8 import bf16_rne, check_tensor
+from kernels.fp8 import bf16_rne
 from kernels.launch import launch_opts, pdl_enter
 from kernels.linear import (
     _OUT_DTYPES,

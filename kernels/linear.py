@@ -40,15 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import (
-    E4M3,
-    bf16_rne,
-    blocks,
-    check_quantized,
-    check_tensor,
-    live_count,
-    quantize_act,
-)
+from kernels.checks import check_quantized, check_tensor, live_count
+from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act
 from kernels.launch import launch_opts, pdl_enter
 from kernels.linear_launch import LinearLaunch, linear_bf16_launch, linear_fp8_launch, split_plan
 from kernels.twin import twin

@@ -47,16 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import (
-    E4M3,
-    bf16_rne,
-    blocks,
-    check_quantized,
-    check_tensor,
-    live_count,
-    quantize_act,
-    quantize_groups,
-)
+from kernels.checks import check_quantized, check_tensor, live_count
+from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act, quantize_groups
 from kernels.launch import launch_opts, pdl_enter
 from kernels.moe_launch import MoeLaunch, moe_launch
 from kernels.twin import twin

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.fp8 import check_tensor
+from kernels.checks import check_tensor
 
 PARTIAL_DTYPES = (torch.float32, torch.bfloat16)
 

@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, check_tensor, live_count
+from kernels.checks import check_tensor, live_count
+from kernels.fp8 import E4M3
 from kernels.launch import launch_opts, pdl_enter
 from kernels.twin import twin
 from reference.params import FP8_BLOCK

@@ -32,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import bf16_rne, check_tensor, live_count
+from kernels.checks import check_tensor, live_count
+from kernels.fp8 import bf16_rne
 from kernels.launch import launch_opts, pdl_enter
 from kernels.twin import twin
 from reference import ops

@@ -9,7 +9,7 @@ logit is still one dot product in a fixed order, whatever the other rows.
                  layer 0 and of the draft (BF16 or FP32 residual) and a norm of the sum.
   silu_mul_rows  act = bf16(silu(g) · u) of layer 0's dense FFN.
   route_rows     the draft's FP32 router on a BF16 input: softmax → top-k (ties: lower index) →
-                 renormalize (reference.ops.route), by kernels/tail_router.py `_route_kernel`.
+                 renormalize (reference.ops.route), by kernels/router.py `_route_kernel`.
                  (One program per row reading the whole 3 MB router each costs 185 µs per call
                  at the IQuest rank shape on the H200, 0.92 ms of an 11.04 ms round: row 9fb341f
                  of the History table in reports/benchmarks/rank-h200/README.md; raw record:
@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import check_tensor, live_count
+from kernels.checks import check_tensor, live_count
 from kernels.launch import launch_opts, pdl_enter
-from kernels.tail_router import RouteScratch, _route_kernel, route_launch
+from kernels.router import RouteScratch, _route_kernel, route_launch
 from kernels.tails import _bf16, _rms
 from kernels.twin import twin
 from reference.twins import rows as _twins
@@ -172,7 +172,7 @@ def route_rows(x: torch.Tensor, router_w: torch.Tensor, top_k: int, n_live: torc
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [R ≤ 8, H] bf16 | fp32, router_w [E, H] → (weights [R, K] fp32, ids [R, K] int32); rows ≥
     n_live hold NaN / −1, and so does a live row whose logits are not finite (scratch.flag is
-    raised). One launch of ⌈E / block_e⌉ programs over expert blocks (kernels/tail_router.py
+    raised). One launch of ⌈E / block_e⌉ programs over expert blocks (kernels/router.py
     `_route_kernel`); scratch: its logits and arrival counter (made here when None — the
     runtime keeps one per router shape, so a captured round allocates nothing).
     pdl: programmatic dependent launch (kernels/launch.py)."""

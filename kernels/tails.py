@@ -37,11 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import E4M3, bf16_rne, check_tensor, live_count, quantize_row
+from kernels.checks import check_tensor, live_count
+from kernels.fp8 import E4M3, bf16_rne, quantize_row
 from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
-from kernels.tail_router import RouterScratch, _router_program
+from kernels.router import RouterScratch, _router_program
 from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
 from kernels.twin import twin
 from reference.op_types import AttnTailOut, MoeTailOut

@@ -209,12 +209,12 @@ MUTATIONS = (
         "        signed = tl.where(d < half, xp, -xp)  # first half: x1·cos − x2·sin",
         "qk-norm/RoPE: the rotation's sine terms take the wrong sign (a rotation by −θ)"),
     KernelMutation(
-        "kq_router_weights_not_renormalized", "tail_router.py",
+        "kq_router_weights_not_renormalized", "router.py",
         "    w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))",
         "    w = top_p",
         "router: the top-k probabilities are not renormalized to sum to 1"),
     KernelMutation(
-        "kq_router_chosen_expert_not_masked", "tail_router.py",
+        "kq_router_chosen_expert_not_masked", "router.py",
         "        p = tl.where(ea[None, :] == idx[:, None], -2.0, p)",
         "        p = tl.where(ea[None, :] == idx[:, None], p, p)",
         "router: a chosen expert is not masked out, so every top-k slot takes the best one"),

@@ -94,7 +94,7 @@ class Lockstep:
         self.quantized: dict[str, int] = {}  # producer tail → GEMMs that took its quantization
         self.layer, self._names = "prefill", {}
         self.stopped = ""  # why the request ended early (an exception after a mismatch)
-        eng.ops = eng.target.ops = eng.draft.ops = self
+        eng.swap_ops(self)
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _name(self, obj, fallback: str | None = None) -> str:

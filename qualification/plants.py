@@ -87,11 +87,10 @@ def planted(engine, plant: Plant | None):
     layer = next((lay for lay in engine.w.layers if lay.index == plant.layer), None)
     if plant.kind == "quant_scale" and (layer is None or layer.moe is None):
         raise ValueError(f"Plant.layer: {plant.layer} is not an MoE layer of this model")
-    real = engine.ops
-    ops = PlantedOps(real, plant, layer.moe if layer is not None else None)
-    engine.ops = engine.target.ops = engine.draft.ops = ops
+    real = engine.swap_ops(PlantedOps(engine.ops, plant,
+                                      layer.moe if layer is not None else None))
     try:
         yield engine
     finally:
-        engine.ops = engine.target.ops = engine.draft.ops = real
+        engine.swap_ops(real)
 

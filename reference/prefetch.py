@@ -12,15 +12,16 @@ targets the selection indicator), i.e. by expected coverage.
 
 Fit (deterministic): the incoming hidden state xn of each sliding layer (its attention input)
 and the experts the layer's router then picks are traced from ReferenceModel (hooks on the
-instance, the model file is untouched) over prompts of data/requests; per layer a ridge least
+instance, the model file is untouched) over the token prompts given; per layer a ridge least
 squares of the top-k indicator on xn in float64, rounded to BF16 for storage (the runtime's
 dtype; BF16 · BF16 products are exact in FP32). Coverage = the share of the routed (row, expert)
 pairs of a step whose expert was predicted, over steps of consecutive prompt rows of held-out
-prompts (files disjoint from the fitting prompts). Prompt rows are teacher-forced text, not
-draft tokens: real verification rows are a slightly different distribution.
+prompts. Prompt rows are teacher-forced text, not draft tokens: real verification rows are a
+slightly different distribution. Choosing the prompts from data/requests (held-out by source
+file), tokenizing them and the CLI: training/prefetch_fit.py.
 
-Files beside the checkpoint: prefetch.safetensors (`layers.{i}.predictor` [H, E] BF16) and
-prefetch.json (format, shapes, defaults m / rows, fit settings, prompt ids, coverage).
+Files (the checkpoint's prefetch/ folder): prefetch.safetensors (`layers.{i}.predictor` [H, E]
+BF16) and prefetch.json (format, shapes, defaults m / rows, fit settings, prompt ids, coverage).
 
 Dimension letters: T traced rows, S steps, W rows per step, R rows, H hidden, E experts,
 K top-k, M predicted experts, J score chunks.
@@ -28,23 +29,17 @@ K top-k, M predicted experts, J score chunks.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from corpus.requests import load_requests
-from corpus.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 from reference import ops
-from reference.checkpoint import INDEX, load_checkpoint
 from reference.config import ModelConfig
-from reference.model import ReferenceModel
-from reference.twins.prefetch import SCORE_CHUNK, aggregate_ref, scores_ref, select_ref
+from reference.twins.prefetch import aggregate_ref, scores_ref, select_ref
 
 FORMAT = "iquestrt-prefetch-v1"
 TENSORS, META = "prefetch.safetensors", "prefetch.json"
@@ -52,9 +47,6 @@ TENSORS, META = "prefetch.safetensors", "prefetch.json"
 
 class PrefetchError(ValueError):
     """A predictor file or fit setting is unusable; the message names the file or field."""
-
-
-# --- the twin ------------------------------------------------------------------------------
 
 
 # --- traces --------------------------------------------------------------------------------
@@ -205,7 +197,7 @@ def fit_predictors(model, fit: list[torch.Tensor], held_out: list[torch.Tensor],
     return preds, report
 
 
-# --- files and the CLI ---------------------------------------------------------------------
+# --- files ---------------------------------------------------------------------------------
 
 
 def save_predictors(directory, preds: dict[int, torch.Tensor], meta: dict) -> None:
@@ -222,7 +214,7 @@ def load_predictors(directory, cfg: ModelConfig) -> tuple[dict[int, torch.Tensor
     d = Path(directory)
     for f in (TENSORS, META):
         if not (d / f).is_file():
-            raise PrefetchError(f"{d / f}: no such file (fit: python -m reference.prefetch fit)")
+            raise PrefetchError(f"{d / f}: no such file (fit: python -m training.prefetch_fit fit)")
     try:
         meta = json.loads((d / META).read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
@@ -250,74 +242,3 @@ def load_predictors(directory, cfg: ModelConfig) -> tuple[dict[int, torch.Tensor
                                 f"({t.hidden_size}, {t.num_experts}) bfloat16")
         preds[i] = p
     return preds, meta
-
-
-def split_requests(reqs: list[dict], n_fit: int, n_eval: int) -> tuple[list[dict], list[dict]]:
-    """Held-out by file: a request evaluates iff sha256(its source path) ≡ 0 mod 3, so no source
-    file feeds both sides; kinds interleaved round-robin, then capped."""
-    def held(r):
-        return int(hashlib.sha256(r["path"].encode()).hexdigest()[:8], 16) % 3 == 0
-
-    def interleave(rs):
-        kinds = sorted({r["kind"] for r in rs})
-        per = [[r for r in rs if r["kind"] == k] for k in kinds]
-        return [q[i] for i in range(max(map(len, per), default=0)) for q in per if i < len(q)]
-
-    fit, ev = interleave([r for r in reqs if not held(r)]), interleave([r for r in reqs if held(r)])
-    if len(fit) < n_fit or len(ev) < n_eval:
-        raise PrefetchError(f"requests: {len(fit)} fit / {len(ev)} held-out available, "
-                            f"asked for {n_fit} / {n_eval}")
-    return fit[:n_fit], ev[:n_eval]
-
-
-def fit_checkpoint(checkpoint, requests, spec: FitSpec) -> tuple[dict, dict]:
-    ck = load_checkpoint(checkpoint)
-    model = ReferenceModel(ck.cfg, ck.dequantized(), spec.precision)
-    tok_path = Path(checkpoint) / "tokenizer.json"
-    tok = load_tokenizer(tok_path if tok_path.is_file() else DEFAULT_TOKENIZER)
-    fit, ev = split_requests(load_requests(Path(requests)), spec.fit_prompts, spec.eval_prompts)
-
-    def encode(rs):
-        return [torch.tensor(tok.encode(r["prompt"], add_special_tokens=False).ids[
-            : spec.max_tokens]) for r in rs]
-
-    preds, report = fit_predictors(model, encode(fit), encode(ev), spec)
-    t = ck.cfg.target
-    meta = {"format": FORMAT, "hidden": t.hidden_size, "experts": t.num_experts,
-            "top_k": t.num_experts_per_tok, "layers": list(t.sliding_layers),
-            "m": spec.check(ck.cfg), "min_rows": min(spec.rows), "max_rows": max(spec.rows),
-            "score_chunk": SCORE_CHUNK, "fit": {**asdict(spec), "rows": list(spec.rows)},
-            "checkpoint_index_sha256": hashlib.sha256(
-                (Path(checkpoint) / INDEX).read_bytes()).hexdigest(),
-            "fit_requests": [r["id"] for r in fit], "held_out_requests": [r["id"] for r in ev],
-            "coverage": {str(i): {str(w): r for w, r in v.items()} for i, v in report.items()}}
-    return preds, meta
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m reference.prefetch")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    f = sub.add_parser("fit", help="fit the expert-prefetch predictor of a checkpoint")
-    f.add_argument("--checkpoint", type=Path, required=True)
-    f.add_argument("--out", type=Path, required=True)
-    f.add_argument("--requests", type=Path, default=Path("data/requests/v1"))
-    d = FitSpec()
-    for name in ("fit_prompts", "eval_prompts", "max_tokens", "m"):
-        f.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    f.add_argument("--ridge", type=float, default=d.ridge)
-    a = ap.parse_args(argv)
-    spec = FitSpec(a.fit_prompts, a.eval_prompts, a.max_tokens, a.m, d.rows, a.ridge)
-    preds, meta = fit_checkpoint(a.checkpoint, a.requests, spec)
-    save_predictors(a.out, preds, meta)
-    print(f"{a.out / TENSORS}: m = {meta['m']} of {meta['experts']} experts, held-out coverage "
-          f"(predictor / router on the incoming hidden / static most-frequent / uniform m/E):")
-    for i, per in meta["coverage"].items():
-        for w, r in per.items():
-            print(f"  layer {i}, {w} rows: {r['coverage']:.3f} / {r['router_coverage']:.3f} / "
-                  f"{r['static_coverage']:.3f} / {meta['m'] / meta['experts']:.3f}  "
-                  f"(fit {r['fit_coverage']:.3f}, precision {r['precision']:.3f}, "
-                  f"{r['distinct']:.1f} distinct experts, {r['steps']} steps)")
-
-
-if __name__ == "__main__":
-    main()

@@ -122,8 +122,8 @@ def markdown(rec: dict) -> str:
     lines += (_tp_md(rec) + _pdl_md(rec) + _breakdown_md(rec) + _routing_md(rec)
               + _baseline_md(rec))
     lines += ["", "Round time: median interval between consecutive rounds of a request "
-              "(CUDA events, graph replay, host loop); loop ms/round: Engine._loop over the "
-              "request (log reads and final settlement included) ÷ rounds. Floor: "
+              "(CUDA events, graph replay, host loop); loop ms/round: the engine's loop phase "
+              "over the request (log reads and final settlement included) ÷ rounds. Floor: "
               "benchmarks/rank/floor.py terms in record.json.", ""]
     return "\n".join(lines)
 

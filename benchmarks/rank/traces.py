@@ -3,7 +3,7 @@ top-4) on held-out requests, mapped onto a rank's experts (256, top-8), as a tab
 benchmark's ops read instead of the random router's choice (benchmarks/rank/ops.py).
 
 Recording: reference.prefetch.collect_traces over the held-out side of
-reference.prefetch.split_requests (files disjoint from the predictor's fit prompts), each prompt
+training.prefetch_fit.split_requests (files disjoint from the predictor's fit prompts), each prompt
 truncated to `max_tokens`, precision "bf16-fold" (the runtime's routing semantics). A step is a
 window of `rows` consecutive positions of one prompt (windows do not overlap).
 
@@ -33,7 +33,8 @@ from corpus.tokenizer import load_tokenizer
 from iquestrt import assets
 from reference.checkpoint import load_checkpoint
 from reference.model import ReferenceModel
-from reference.prefetch import collect_traces, split_requests
+from reference.prefetch import collect_traces
+from training.prefetch_fit import split_requests
 
 MINI = assets.default_model()
 REQUESTS = assets.data("requests", "v1")

@@ -68,15 +68,14 @@ class _Recorder:
 @contextmanager
 def recording(engine, log: list[str]):
     """Route the engine's ops-table and prefetcher calls through recorders while inside."""
-    ops, pre = engine.ops, engine.target.prefetcher
-    rec = _Recorder(ops, "ops", log)
-    engine.ops = engine.target.ops = engine.draft.ops = rec
+    pre = engine.target.prefetcher
+    ops = engine.swap_ops(_Recorder(engine.ops, "ops", log))
     if pre is not None:
         engine.target.prefetcher = _Recorder(pre, "prefetch", log)
     try:
         yield
     finally:
-        engine.ops = engine.target.ops = engine.draft.ops = ops
+        engine.swap_ops(ops)
         engine.target.prefetcher = pre
 
 

@@ -28,7 +28,9 @@ from iquestrt.cache import RuntimeCaches
 from iquestrt.config import RuntimeConfig
 from iquestrt.draft import DraftModel
 from iquestrt.engine import Engine
-from iquestrt.ops import Live
+from iquestrt.engine_parts import EngineParts
+from iquestrt.graphs import RoundPrograms
+from iquestrt.ops import Live, make_ops
 from iquestrt.tp.group import TPGroup
 from iquestrt.tp.model import TPTargetModel, reduction_steps
 from iquestrt.tp.peer_ring import make_rings, ring_buffers
@@ -57,8 +59,9 @@ class TPOps:
         return self.sampler.sample(logits.contiguous(), params, seed, positions, purpose, live)
 
 
-class TPEngine(RingResets, Engine):
-    TENSOR_PARALLEL = True
+class TPEngine(Engine):
+    """An Engine of this rank's parts: the rank's target, TPOps (sharded sampling), the
+    replicated draft, caches with the full model's draft KV heads, and RingResets."""
 
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, group: TPGroup):
         """weights: the full model (each rank cuts its share); group: this rank's TPGroup."""
@@ -73,10 +76,9 @@ class TPEngine(RingResets, Engine):
             raise ValueError(f"TPEngine: a group of {group.world} rank; use Engine")
         full = weights.cfg
         rank_w, plans = shard_weights(weights, group.world, group.rank)
-        super().__init__(rank_w, rcfg)
-        self.group, self.full_cfg = group, full
-        self.ops = TPOps(self.ops, make_sharded_sampler(rcfg.ops, group,
-                                                        full.target.vocab_size))
+        rcfg.validate_for(rank_w.cfg)
+        ops = TPOps(make_ops(rcfg.ops, rcfg.device, rcfg.max_polls, rcfg.pdl),
+                    make_sharded_sampler(rcfg.ops, group, full.target.vocab_size))
         rings = None
         if rcfg.tp_reduce == "peer":
             o_w = rank_w.layers[0].attn.o.w  # [H, Po]: every layer's O projection has this shape
@@ -87,13 +89,18 @@ class TPEngine(RingResets, Engine):
                                  f"dividing them); this model has {steps}")
             rings = make_rings(group, rcfg.max_width, full.target.hidden_size,
                                linear_fp8_splits(*o_w.shape), rcfg.peer_max_polls, *steps)
-        self.target = TPTargetModel(rank_w, plans, self.ops, rcfg.max_width, group, rings)
-        # the draft is whole on every rank: it reads the full model's head counts
-        self.draft = DraftModel(dataclasses.replace(rank_w, cfg=full), self.ops, rcfg.max_width)
-
-    def ring_set(self):
-        return self.target.rings, self.group
-
-    def _new_caches(self, capacity: int) -> RuntimeCaches:
-        return RuntimeCaches.create(self.cfg, self.rcfg, capacity, self.w.device,
-                                    draft_kv_heads=self.full_cfg.target.num_key_value_heads)
+        draft_kv = full.target.num_key_value_heads
+        resets = RingResets(rings, group)
+        parts = EngineParts(
+            ops=ops,
+            target=TPTargetModel(rank_w, plans, ops, rcfg.max_width, group, rings),
+            # the draft is whole on every rank: it reads the full model's head counts
+            draft=DraftModel(dataclasses.replace(rank_w, cfg=full), ops, rcfg.max_width),
+            programs=RoundPrograms(rcfg.graphs, rcfg.loop),
+            new_caches=lambda capacity: RuntimeCaches.create(
+                rank_w.cfg, rcfg, capacity, rank_w.device, draft_kv_heads=draft_kv),
+            observers=(resets,),
+            tensor_parallel=True,
+        )
+        super().__init__(rank_w, rcfg, parts=parts)
+        self.group, self.full_cfg, self.ring_resets = group, full, resets

@@ -1,33 +1,33 @@
 """Re-arming an engine's TP rings wherever a request may have left empty steps (kernels/
 readiness.py, "Empty steps"): at each request's start — collective: every rank runs the same
 request, and the previous one may have ended in rounds with 0 live rows — and after a CUDA-graph
-capture, whose warm-up ran steps with 0 live rows (an eager prefill runs none). Shared by
-iquestrt.tp.engine.TPEngine and the rank benchmark's RankEngine (benchmarks/rank/engine.py).
+capture, whose warm-up ran steps with 0 live rows (an eager prefill runs none). An observer of
+the engine's phases (iquestrt/engine_parts.py), given to iquestrt.tp.engine.TPEngine and the
+rank benchmark's RankEngine (benchmarks/rank/engine.py).
 """
 
 from __future__ import annotations
 
+from iquestrt.engine_parts import EngineObserver
 
-class RingResets:
-    """Mixin listed before Engine in an engine's bases; the engine says where its rings are."""
 
-    def ring_set(self):
-        """→ (TPRings | None, TPGroup | None): the rings the reductions go through, this rank's
-        group."""
-        raise NotImplementedError
+class RingResets(EngineObserver):
+    """rings: the TPRings the reductions go through (None: nothing to re-arm); group: this
+    rank's TPGroup (the reset is collective through it)."""
 
-    def generate(self, req, on_round=None, on_tokens=None):
-        """As Engine.generate, after re-arming the rings (collective)."""
-        self._reset_rings()
-        return super().generate(req, on_round, on_tokens)
+    def __init__(self, rings, group):
+        self.rings, self.group = rings, group
 
-    def _prepare(self, st, hidden):
-        launcher = super()._prepare(st, hidden)
-        if self.rcfg.graphs:  # a capture's warm-up ran empty steps; eager prefill ran none
-            self._reset_rings()
+    def request(self, eng, run):
+        self.reset()
+        return run()
+
+    def prepare(self, eng, st, run):
+        launcher = run()
+        if eng.rcfg.graphs:  # a capture's warm-up ran empty steps; eager prefill ran none
+            self.reset()
         return launcher
 
-    def _reset_rings(self) -> None:
-        rings, group = self.ring_set()
-        if rings is not None:
-            rings.reset(group)
+    def reset(self) -> None:
+        if self.rings is not None:
+            self.rings.reset(self.group)

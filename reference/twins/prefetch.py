@@ -4,7 +4,8 @@
   score[r, e]   = ((0 + part[0]) + part[1]) + …                   (chunks in order)
   agg[e]        = ((0 + score[0]) + score[1]) + …                 (live rows in order)
   ids           = the m experts of largest agg (NaN counts as −inf; ties: lower index first).
-The predictor P and its fit: reference/prefetch.py.
+The predictor P and its fit: reference/prefetch.py (run on a checkpoint and the request set by
+training/prefetch_fit.py).
 
 Dimension letters: R rows, H hidden, E experts, M predicted experts, J score chunks.
 """

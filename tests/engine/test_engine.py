@@ -271,7 +271,7 @@ BAD_REQUESTS = [
 def test_bad_request_raises_before_device_work(corr, req, message):
     eng = _engine(corr)
     counting = _Counting(eng.ops)
-    eng.ops = eng.target.ops = eng.draft.ops = counting
+    eng.swap_ops(counting)
     with pytest.raises(ValueError, match=message):
         eng.generate(req)
     assert counting.calls == [] and eng.session is None

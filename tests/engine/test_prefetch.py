@@ -1,6 +1,7 @@
-"""Expert prefetch: the prediction twin (reference/prefetch.py), traces, fit, files and CLI, and
-the runtime Prefetcher (iquestrt/prefetch.py): a target forward with the prefetch kernels
-launched before every sliding layer's attention gives the same bits as one without.
+"""Expert prefetch: the prediction twin (reference/twins/prefetch.py), traces, fit, files and the
+fit CLI (training/prefetch_fit.py), and the runtime Prefetcher (iquestrt/prefetch.py): a target
+forward with the prefetch kernels launched before every sliding layer's attention gives the same
+bits as one without.
 The kernel itself is checked against the twin in tests/kernels/test_prefetch_kernel.py.
 
 Dimension letters: T rows, S steps, W rows per step, H hidden, E experts, K top-k, M predicted.
@@ -35,9 +36,7 @@ from reference.prefetch import (
     fit_layer,
     fit_predictors,
     load_predictors,
-    main,
     save_predictors,
-    split_requests,
 )
 from reference.synthetic import synthetic_params
 from reference.twins.prefetch import (
@@ -47,6 +46,7 @@ from reference.twins.prefetch import (
     scores_ref,
     select_ref,
 )
+from training.prefetch_fit import main, split_requests
 
 CFG = preset("tiny")
 SLIDING = CFG.target.sliding_layers

@@ -73,7 +73,7 @@ def test_every_launched_kernel_enters_through_pdl():
 
 def test_the_check_can_fail(tmp_path):
     """A kernel that loads before pdl_enter, and a launch without launch_opts, are reported."""
-    for f in KERNELS.glob("*.py"):  # the package (rows.py launches tail_router's route kernel)
+    for f in KERNELS.glob("*.py"):  # the package (rows.py launches router.py's route kernel)
         (tmp_path / f.name).write_text(f.read_text())
     src = (KERNELS / "rows.py").read_text()
     early = src.replace("    pdl_enter(PDL)\n", "    tl.load(n_live_ptr)\n    pdl_enter(PDL)\n", 1)

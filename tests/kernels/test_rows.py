@@ -145,7 +145,7 @@ def test_route_rows_bits_do_not_depend_on_the_width_or_the_scratch(experts, top_
     """One program per expert block over all rows: a live row's ids and weights are the same
     bits with 5 exact rows, 8 padded rows (garbage beyond), a reused scratch or a fresh one; the
     arrival counter is back at 0 after each launch."""
-    from kernels.tail_router import RouteScratch
+    from kernels.router import RouteScratch
 
     n, hidden = 5, 256
     x, g = _inputs(experts + 7, R, hidden, n)
@@ -168,7 +168,7 @@ def test_route_rows_bits_do_not_depend_on_the_width_or_the_scratch(experts, top_
 def test_route_rows_a_non_finite_row_gets_no_expert(device):
     """A live row with a NaN input: ids −1, NaN weights and the scratch flag up; the other rows
     route as without it (an id out of range would send the experts' kernel out of bounds)."""
-    from kernels.tail_router import RouteScratch
+    from kernels.router import RouteScratch
 
     n, hidden, experts = 4, 128, 16
     x, g = _inputs(11, R, hidden, n)
@@ -192,7 +192,7 @@ def test_route_rows_refuses_more_rows_than_a_program_takes(device):
 
 
 SM90_ROUTE = dict(
-    module="tail_router", kernel="_route_kernel",
+    module="router", kernel="_route_kernel",
     sig={"x_ptr": "*bf16", "rw_ptr": "*fp32", "logit_ptr": "*fp32", "cnt_ptr": "*i32",
          "ids_ptr": "*i32", "wts_ptr": "*fp32", "flag_ptr": "*i32", "n_live_ptr": "*i32",
          "n_rows": "i32"},

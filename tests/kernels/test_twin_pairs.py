@@ -19,7 +19,7 @@ HELPERS = {
     "attention_combine": "attention",  # the split-KV combine launch of attention()
     "attention_common": "attention",  # device functions shared by the split and combine kernels
     "sampler_kernels": "sampler",  # the sampler's and verify's device functions
-    "tail_router": "tails",  # the router folded into attn_tail (and rows.route_rows' kernel)
+    "router": "tails",  # the router folded into attn_tail (and rows.route_rows' kernel)
     "readiness": "tails",  # the NaN-readiness poll inlined into the tails
     "peer_partials": "tails",  # the tails' table of peer slots
     "launch": "rows",  # pdl_enter, the griddepcontrol wait every PDL kernel inlines

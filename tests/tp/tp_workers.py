@@ -314,7 +314,7 @@ def engine_rings_worker(rank: int, world: int, port: int, out_dir: str, timeout_
                                        Live.of(1, "cpu")).shape[0]  # the partials it produces
     steps = (rings.o_step, rings.moe_step)
     written = bool(torch.isfinite(rings.o.views[rank]).any())
-    eng._reset_rings()  # collective: what each request's start (and a graphed decode) does
+    eng.ring_resets.reset()  # collective: what each request's start (and a graphed decode) does
     armed = all(bool(torch.isnan(r.views[rank]).all()) for r in (rings.o, rings.moe))
     torch.save({"o_parts": rings.o.views[0].shape[1], "made": made, "steps": steps,
                 "buffers": (rings.o.policy.buffers, rings.moe.policy.buffers),

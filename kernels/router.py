@@ -1,9 +1,14 @@
-"""The folded router's programs inside the attention tail launch (kernels/tails.py): each
-router program takes a block of experts, waits for the row programs' FP32 router input in the
+"""The MoE router on the device, in two launches that share one finish.
+
+Folded into the attention tail launch (kernels/tails.py, `_router_program`): each router
+program takes a block of experts, waits for the row programs' FP32 router input in the
 NaN-armed scratch (RouterScratch.r_in), computes those experts' logits for every live row, and
 the last to finish (an acq_rel counter) does softmax → top-k → renormalize, publishes ids and
 weights, and restores the scratch invariant (r_in all NaN, counter 0) for the next launch.
 Every wait is bounded (a failure flag, never a hang).
+
+Standalone (`_route_kernel`, launched by kernels/rows.py route_rows with a RouteScratch): the
+same expert blocks and finish over an input that is already in memory.
 
 Dimension letters: RR route rows, H hidden, E experts (EALL padded), BE experts per program,
 BK hidden columns per step, K top-k.
