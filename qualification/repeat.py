@@ -1,5 +1,5 @@
-"""`python -m qualification.repeat --runs 20 [--quick] --out reports/qualify/repeat.md`: run
-`qualify` N times in a row, each in its own process, and record whether every run gave the same
+"""`python -m qualification.repeat --runs 20 [--quick] --out reports/qualify/repeat-DATE/repeat.md`:
+run `qualify` N times in a row, each in its own process, and record whether every run gave the same
 verdict and margin for every gate (the statistical gates have fixed seeds, so the suite never
 flakes). Each run's table is read from its qualify.json. The record is written only after
 the last run (to a temporary name, then renamed): an interrupted series leaves no record.

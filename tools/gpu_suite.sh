@@ -32,16 +32,16 @@ for phase in $phases; do
       timeout 240 python -m pytest -q -p no:cacheprovider tests/qualification/test_platform_bits.py 2>&1 \
         | tail -15 | tee -a "$out/goldens.log" ;;
     n4)
-      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
+      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 --continue-on-collection-errors \
         --benchmark-disable 2>&1 | tee "$out/gpu_n4.log" ;;
     capture)
       timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_capture.py 2>&1 \
         | tail -5 | tee "$out/capture.log" ;;
     n4b)
-      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 \
+      timeout 480 python -m pytest -m gpu -n 4 -p no:cacheprovider -q -rfE --timeout 300 --continue-on-collection-errors \
         --benchmark-disable 2>&1 | tee "$out/gpu_n4b.log" ;;
     serial)
-      timeout 540 python -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 300 \
+      timeout 540 python -m pytest -m gpu -p no:cacheprovider -q -rfE --timeout 300 --continue-on-collection-errors \
         --benchmark-disable --durations 15 2>&1 | tee "$out/gpu_serial.log" ;;
     gates1)
       timeout 400 python -m qualification.qualify --only lockstep runtime --out "$out/gates1" \

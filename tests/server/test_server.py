@@ -111,7 +111,14 @@ def test_bad_chat_requests_get_400(server):
 
 
 def test_models_health_and_metrics(server):
+    """Self-contained: its own requests move the counters (the module's other tests may be
+    deselected, e.g. by the fast tier's -m "not slow")."""
     base, _, _ = server
+    before = _metric(base, "vllm:request_success_total", finished_reason="length")
+    for i in range(3):
+        r = httpx.post(base + "/v1/completions", timeout=WAIT_S,
+                       json={"prompt": PROMPT, "max_tokens": 2, "seed": i, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
     assert httpx.get(base + "/health", timeout=WAIT_S).json() == {"status": "ok"}
     models = httpx.get(base + "/v1/models", timeout=WAIT_S).json()["data"]
     assert [m["id"] for m in models] == ["mini"] and models[0]["max_model_len"] == 256
@@ -124,7 +131,7 @@ def test_models_health_and_metrics(server):
                  "vllm:spec_decode_num_accepted_tokens_per_pos_total",
                  "iquestrt:request_prefill_seconds_bucket"):
         assert name in text, name
-    assert _metric(base, "vllm:request_success_total", finished_reason="length") >= 3
+    assert _metric(base, "vllm:request_success_total", finished_reason="length") == before + 3
 
 
 def test_a_disconnected_stream_is_cancelled_and_the_next_request_runs(server):

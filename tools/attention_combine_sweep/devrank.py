@@ -2,8 +2,8 @@
 overridden (new).
 
 Run from the repository root (PYTHONPATH=.); "base" execs devbase/attention_combine.py and
-devbase/attention.py, copies of kernels/ at the base revision (1573ba9 in the session 10 record,
-reports/benchmarks/h200-2026-12-01/session10/README.md) that are not in the repository: see
+devbase/attention.py, copies of kernels/ at the base revision (1573ba9, as the record
+reports/benchmarks/h200-2026-12-01/session10/README.md names it) that are not in the repository: see
 devrun3.sh beside this file for how to make them."""
 import dataclasses
 import sys
