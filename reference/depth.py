@@ -11,7 +11,7 @@ Adaptive score after j drafts, from three fp32 features
   s_j = b_j + w1·cum + w2·q + w3·h + w4·(cum·q) + w5·(cum·h)     (a linear estimate of
         P(drafts 1 … j+1 all accepted) = the expected extra accepted tokens of depth j+1)
 and another depth runs iff s_j ≥ threshold (= tokens per unit time × time of one more depth;
-reference/depth_fit.py fits both offline).
+training/depth_fit.py fits both offline).
 
 Bit-exact host vs device. `more()` (host, Python floats) and `more_batch()` (torch fp32, runs on
 the device without a host sync) evaluate the same IEEE fp32 operations in the same order, each
@@ -251,7 +251,7 @@ def default_adaptive() -> AdaptiveDepth:
     a calibrated draft's guess s_j = cum·q_j of P(drafts 1 … j+1 accepted), against the
     threshold 1/8 ≈ 3.24 tokens per round (seed report) × a depth costing ~4% of a round (a
     guess from the round's memory floor: one lm_head shard + one layer + a sampler per depth).
-    Not fitted to anything: fit a real one with reference.depth_fit and save it with the
+    Not fitted to anything: fit a real one with training.depth_fit and save it with the
     checkpoint."""
     row = (0.0, 0.0, 0.0, 0.0, 1.0, 0.0)
     return AdaptiveDepth((row,) * (MAX_DEPTH - MIN_DEPTH), 0.125)

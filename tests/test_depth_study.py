@@ -16,10 +16,10 @@ from corpus.tokenizer import load_tokenizer
 from reference.checkpoint import load_checkpoint
 from reference.config import SamplingDefaults
 from reference.depth import AdaptiveDepth, FixedDepth
-from reference.depth_fit import CostModel
 from reference.model import ReferenceModel
 from reference.speculative import ReferenceGenerator
 from tests.helpers.engine_setup import make_ckpt, rounds_key
+from training.depth_fit import CostModel
 from training.depth_study_config import StudyConfig as Cfg
 from training.depth_study_prompts import Prompt, check_disjoint, heldout_prompts, train_prompts
 from training.depth_study_runs import SharedPrefill, run_pairs

@@ -5,7 +5,7 @@
 1. Fitting prompts come from train-split stdlib files only (corpus/stdlib.py): files in order
    of sha256(salt + path), one window of 128–256 tokens each, at an offset from the same hash.
    Rounds are recorded at FixedDepth(7) with the reference model (Precision "matched", what the
-   runtime computes) → reference.depth_fit.fit → <checkpoint>/depth_policy.json.
+   runtime computes) → training.depth_fit.fit → <checkpoint>/depth_policy.json.
 2. Held-out: request prompts from data/requests/v1 (held-out files; their last 256 tokens),
    every (prompt, seed) decoded once per policy — the stored adaptive rule read back from the
    file, and fixed depths 3 … 7. Same request, so same position-keyed uniforms for all.
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 from reference.depth import FixedDepth, load_policy, policy_to_json, save_policy
-from reference.depth_fit import fit
 from reference.model import ReferenceModel
+from training.depth_fit import fit
 from training.depth_study_config import StudyConfig
 from training.depth_study_prompts import check_disjoint, heldout_prompts, train_prompts
 from training.depth_study_report import render
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from corpus.tokenizer import load_tokenizer
     from reference.checkpoint import load_checkpoint
     from reference.config import SamplingDefaults
-    from reference.depth_fit import fixed_as_adaptive
     from training.card import environment, pick_requests
+    from training.depth_fit import fixed_as_adaptive
 
     d = StudyConfig()
     ap = argparse.ArgumentParser(description="fit and test the adaptive draft-depth rule")

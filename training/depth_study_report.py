@@ -54,7 +54,7 @@ Depths 1, 2 (replay table below) extrapolate below the measured range.
 train-split files (order sha256(salt + path)): {', '.join(f"`{p['path']}`" for p in f['prompts'])}.
 Decoded at FixedDepth(7), reference model in Precision "matched", sampling T=1 / top-k 20 /
 top-p 0.95, seeds {list(f['seeds'])}, {f['new_tokens']} new tokens each:
-{f['summary']['rounds']} rounds. `reference.depth_fit.fit` on them (replay on the same rounds):
+{f['summary']['rounds']} rounds. `training.depth_fit.fit` on them (replay on the same rounds):
 
 | policy | µs/token |
 | --- | --- |

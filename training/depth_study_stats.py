@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from reference.depth import FixedDepth
-from reference.depth_fit import CostModel, Evaluation, evaluate, records_from_rounds
 from reference.speculative import GenerationResult
+from training.depth_fit import CostModel, Evaluation, evaluate, records_from_rounds
 
 if TYPE_CHECKING:
     from training.depth_study_config import StudyConfig
@@ -98,7 +98,7 @@ def bootstrap_ratio(ta, na, fixed: dict, boot: int, seed: int) -> dict:
 
 
 def replay(results: Sequence[GenerationResult], policies: dict, cost: CostModel) -> dict:
-    """Policies replayed on depth-7 rounds (reference.depth_fit.evaluate): µs per token."""
+    """Policies replayed on depth-7 rounds (training.depth_fit.evaluate): µs per token."""
     rec = records_from_rounds([r for res in results for r in res.rounds], 7)
     ev: dict[str, Evaluation] = {k: evaluate(p, rec, cost) for k, p in policies.items()}
     return {k: {"time_per_token": 1 / e.throughput, "mean_depth": e.mean_depth}

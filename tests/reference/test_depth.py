@@ -1,4 +1,4 @@
-"""Draft-depth policies (reference/depth.py) and their offline fit (reference/depth_fit.py).
+"""Draft-depth policies (reference/depth.py) and their offline fit (training/depth_fit.py).
 
 Synthetic rounds for the fit have known answers: with acceptance independent of the features
 the best rule is the best fixed depth, found here from the closed form E[min(A, d) + 1] =
@@ -33,7 +33,9 @@ from reference.depth import (
     push_features,
     save_policy,
 )
-from reference.depth_fit import (
+from reference.model import KVCache, Output
+from reference.speculative import GenerationRequest, ReferenceGenerator, RoundRecord
+from training.depth_fit import (
     CostModel,
     Records,
     depths_run,
@@ -42,8 +44,6 @@ from reference.depth_fit import (
     fixed_as_adaptive,
     records_from_rounds,
 )
-from reference.model import KVCache, Output
-from reference.speculative import GenerationRequest, ReferenceGenerator, RoundRecord
 
 
 def _random_policy(g: torch.Generator, lo: int = 3, hi: int = 7, theta: float = 0.3):
@@ -478,7 +478,7 @@ def test_unreadable_policy_file(tmp_path):
 def test_fit_never_loses_to_the_best_fixed_depth_on_its_records(monkeypatch):
     """A regression that anti-predicts (its weights negated): the threshold search cannot
     rescue it, so the fit must fall back to the best fixed depth."""
-    import reference.depth_fit as depth_fit
+    import training.depth_fit as depth_fit
 
     train, _ = _two_type_records(8000, 2, 0.75, 0.5)
     cost = CostModel(0.08, 1.0)
