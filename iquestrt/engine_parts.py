@@ -37,8 +37,7 @@ if TYPE_CHECKING:
     from reference.config import ModelConfig
 
 
-
-class Engine(Protocol):
+class EngineView(Protocol):
     """What a part may use of the engine it serves (iquestrt/engine.py's Engine, which imports
     this module)."""
 
@@ -52,6 +51,7 @@ class Engine(Protocol):
     def check_logits(self, where: str, st: Session, logits: torch.Tensor, n: int,
                      target: bool) -> None: ...
 
+
 CacheFactory = Callable[[int], RuntimeCaches]  # capacity (positions) → a request's caches
 
 
@@ -60,17 +60,17 @@ class Prefill(Protocol):
     0 … n−1 of the prompt; `draft` fills the draft cache with positions 1 … n−1 (row p: the
     token at p, the target hidden state of p − 1) and sets caches.draft_next."""
 
-    def target(self, eng: Engine, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
+    def target(self, eng: EngineView, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
         """→ (last logits row [1, V] FP32, target final hidden of the prompt [n, H] — at least
         its last row)."""
 
-    def draft(self, eng: Engine, st: Session, hidden: torch.Tensor) -> None: ...
+    def draft(self, eng: EngineView, st: Session, hidden: torch.Tensor) -> None: ...
 
 
 class ModelPrefill:
     """The models over the prompt, in chunks of max_width rows (the decode path)."""
 
-    def target(self, eng: Engine, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
+    def target(self, eng: EngineView, st: Session) -> tuple[torch.Tensor, torch.Tensor]:
         n, rows, dev = len(st.tokens), eng.rcfg.max_width, eng.w.device
         hidden = []
         for c in range(0, n, rows):
@@ -82,7 +82,7 @@ class ModelPrefill:
         last = chunk.shape[0] - 1
         return logits[last : last + 1], torch.cat(hidden)
 
-    def draft(self, eng: Engine, st: Session, hidden: torch.Tensor) -> None:
+    def draft(self, eng: EngineView, st: Session, hidden: torch.Tensor) -> None:
         n, rows, dev, c = len(st.tokens), eng.rcfg.max_width, eng.w.device, st.caches
         for s0 in range(c.draft_next, n, rows):
             e = min(s0 + rows, n)
@@ -92,7 +92,7 @@ class ModelPrefill:
             eng.check_logits("prefill", st, lg, e - s0, False)
 
 
-def sample_first(eng: Engine, st: Session, last_logits: torch.Tensor):
+def sample_first(eng: EngineView, st: Session, last_logits: torch.Tensor):
     """The first token's draw from the prompt's last logits row → SampleOut."""
     n, dev = len(st.tokens), eng.w.device
     return eng.ops.sample(last_logits, st.req.sampling, st.req.seed,
@@ -102,13 +102,13 @@ def sample_first(eng: Engine, st: Session, last_logits: torch.Tensor):
 class EngineObserver:
     """Wraps a request's phases (module docstring); each default runs the phase as is."""
 
-    def request(self, eng: Engine, run: Callable[[], object]) -> object:
+    def request(self, eng: EngineView, run: Callable[[], object]) -> object:
         return run()
 
-    def prepare(self, eng: Engine, st: Session, run: Callable[[], object]) -> object:
+    def prepare(self, eng: EngineView, st: Session, run: Callable[[], object]) -> object:
         return run()
 
-    def loop(self, eng: Engine, st: Session, run: Callable[[], None]) -> None:
+    def loop(self, eng: EngineView, st: Session, run: Callable[[], None]) -> None:
         run()
 
 
