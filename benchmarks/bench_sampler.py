@@ -1,4 +1,4 @@
-"""Benchmark of kernels/sampler.py (GPU only): the fused top-k/top-p sampler against the
+"""Benchmark of kernels/sampler/ (GPU only): the fused top-k/top-p sampler against the
 simplest torch formulation (topk + softmax + cumsum + searchsorted), in the same process.
 
 Shapes: 8 × 160000 fp32 logits (target ≤ 20 µs), 1 × 160000, the 8-way sharded mode on one GPU

@@ -59,7 +59,7 @@ from iquestrt.state import (
 )
 from iquestrt.weights import Weights, load_weights
 from kernels.sampler import MAX_TOP_K
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference.depth import DraftInfo
 from reference.speculative import GenerationRequest, GenerationResult, RoundRecord, emit
 

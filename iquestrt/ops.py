@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from iquestrt.weights import Fp8Linear, MoeWeights
     from kernels.peer_partials import RingRead
     from kernels.qk_rope import RopeTable
-    from kernels.sampler_values import DeviceSampling
+    from kernels.sampler.values import DeviceSampling
     from reference.config import SamplingDefaults
     from reference.kv_layout import LayerKV
     from reference.rng import Purpose

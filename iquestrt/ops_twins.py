@@ -19,7 +19,7 @@ import torch
 from iquestrt.live import Live, host_seed
 from iquestrt.ops_kernels import ROLLBACK_ROWS
 from iquestrt.weights import Fp8Linear, MoeWeights
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference import ops as ref_ops
 from reference.op_types import (
     AttnTailOut,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference.speculative import GenerationRequest
 
 FAULT_NONE, FAULT_READINESS, FAULT_TARGET_LOGITS, FAULT_DRAFT_LOGITS, FAULT_TOKEN = range(5)
@@ -49,7 +49,7 @@ class DeviceState:
     hidden_at: torch.Tensor  # [1] int32
     n_new: torch.Tensor  # [1] int32 tokens emitted so far (the prefill's first included)
     max_new: torch.Tensor  # [1] int32 the request's token budget
-    seed: torch.Tensor  # [1] int64 the request seed's bits (kernels.sampler_checks.seed_args)
+    seed: torch.Tensor  # [1] int64 the request seed's bits (kernels.sampler.checks.seed_args)
     sampling: DeviceSampling  # temperature / top-p on the device; top_k, greedy: the shape
     done: torch.Tensor  # [1] int32
     round: torch.Tensor  # [1] int32 rounds committed

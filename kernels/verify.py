@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from kernels.launch import launch_opts, pdl_enter
-from kernels.sampler_checks import seed_args
-from kernels.sampler_kernels import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
+from kernels.sampler.checks import seed_args
+from kernels.sampler.device import _COMPILE, draw_stored, rank_desc, seq_sum, uniform
 from kernels.twin import twin
 from reference.op_types import VerifyOut
 from reference.twins import verify as _twins

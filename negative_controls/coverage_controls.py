@@ -29,7 +29,7 @@ import torch
 
 from iquestrt.state import DeviceState
 from iquestrt.tp.sampling import EMPTY, KernelShardSteps, TwinShardSteps, key_values, key_width
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from negative_controls.control import Control, gated, patched
 from qualification import depth_policy_gate, reuse_gate, seed_gate, tp_sampling_gate
 from reference import rng

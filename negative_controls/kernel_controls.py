@@ -199,7 +199,7 @@ MUTATIONS = (
         "verify: after a rejection the replacement is drawn from p instead of the residual "
         "max(p − q, 0)"),
     KernelMutation(
-        "kq_sampler_top_p_cut_drops_crossing_token", "sampler_kernels.py",
+        "kq_sampler_top_p_cut_drops_crossing_token", "sampler/device.py",
         "    keep = valid & ((rp <= first) | ~cut)  # a cut keeps the token that crosses top_p",
         "    keep = valid & ((rp < first) | ~cut)  # a cut keeps the token that crosses top_p",
         "sampler: the top-p cut drops the token that crosses top_p"),

@@ -1,4 +1,4 @@
-"""Gate 6 — the production sampler (kernels/sampler.py) against the pinned semantics.
+"""Gate 6 — the production sampler (kernels/sampler/) against the pinned semantics.
 
 Checks, all exact (token ids and served candidates are compared with torch.equal):
   sharded    — N virtual ranks (N = 2, 4, 8; unequal shards when V % N ≠ 0) give the bits of the

@@ -3,7 +3,7 @@
 A request seed is a uint64 (reference/rng.py: the Philox key is (seed & 0xffffffff, seed >> 32));
 the engine's device state holds its bits as int64 (a seed ≥ 2^63 becomes seed − 2^64,
 DeviceState.begin), read back as the uint64 by iquestrt.live.host_seed (engine, twins) and
-reference.twins.sampler.seed_int, and by the kernels through kernels.sampler_checks.seed_args.
+reference.twins.sampler.seed_int, and by the kernels through kernels.sampler.checks.seed_args.
 For a base seed s < 2^63 and each of bits 32, 48, 63 the gate checks that s and s ^ 2^b
 
   (1) give different uniforms in the reference RNG (every purpose, positions 0 … P−1);

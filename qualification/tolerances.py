@@ -476,7 +476,7 @@ _ROWS: tuple[Tolerance, ...] = (
     # e = 2^-24. exp is the one step not pinned to the bit (reference/sampling.py docstring).
     Tolerance(
         "kernels.sampler.vs_replay", "fp32", 0.0, 0.0,
-        "kernels/sampler.py vs a numpy-fp32 replay of reference/sampling.py that takes exp from "
+        "kernels/sampler/ vs a numpy-fp32 replay of reference/sampling.py that takes exp from "
         "kernels.sampler.kernel_exp: every other step is the same IEEE operation in the same "
         "order (div_rn, sequential sums, fp32 u*Z), so ids, order, probabilities and tokens are "
         "bit-exact (tests/kernels/test_sampler.py)",
@@ -510,7 +510,7 @@ _ROWS: tuple[Tolerance, ...] = (
     ),
     Tolerance(
         "kernels.sampler.device_values", "exact", 0.0, 0.0,
-        "kernels.sampler_values.DeviceSampling: the kernels load the same fp32 temperature and "
+        "kernels.sampler.values.DeviceSampling: the kernels load the same fp32 temperature and "
         "top-p (and the host-decided top-p switch) that the scalar path passes as arguments, so "
         "tokens, ids and probabilities are the same bits",
         "values not read after update (test_sampler_values.py: probabilities must change)",

@@ -7,7 +7,7 @@ and it equals the single-process sampler's, with no broadcast and no rank-depend
 
 Why the split is exact: the order key (z desc, id asc) is a total order, the global top-K is a
 subset of the union of the shards' top-K, and everything after the pick depends only on that
-ordered set (kernels/sampler.py docstring). Both steps exist twice, with identical semantics:
+ordered set (kernels/sampler/ docstring). Both steps exist twice, with identical semantics:
   kernels — kernels.sampler.topk_candidates / sample_from_candidates;
   twins   — torch: the reference order (reference.sampling.order_desc) over z = x / T gives the
             same int64 keys bit for bit; the final step writes the gathered z at their ids into
@@ -33,14 +33,14 @@ import torch
 from iquestrt.ops import Live, host_seed
 from iquestrt.tp.group import TPGroup, all_gather
 from kernels import sampler as k_sampler
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference.config import ConfigError, SamplingDefaults
 from reference.op_types import SampleOut
 from reference.rng import MASK32, Purpose
 from reference.sampling import SamplingError, order_desc
 from reference.twins.sampler import sample_ref
 
-EMPTY = -(2**63) + 1  # kernels.sampler_kernels.EMPTY: below every real key
+EMPTY = -(2**63) + 1  # kernels.sampler.device.EMPTY: below every real key
 ID_BITS = 2**31 - 1
 
 
@@ -52,7 +52,7 @@ def key_width(params: SamplingDefaults | DeviceSampling) -> tuple[int, int]:
 
 
 def order_keys(z: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """kernels.sampler_kernels.order_key in torch: (m(z) << 32) | (2^31 − 1 − id), −0.0 as +0.0.
+    """kernels.sampler.device.order_key in torch: (m(z) << 32) | (2^31 − 1 − id), −0.0 as +0.0.
     z [..] fp32, ids [..] int64 → [..] int64."""
     z = torch.where(z == 0.0, torch.zeros_like(z), z)
     b = z.view(torch.int32).to(torch.int64)

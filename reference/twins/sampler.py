@@ -1,4 +1,4 @@
-"""Twin of kernels/sampler.py (`sample_ref`), with the kernel's signature, built only
+"""Twin of kernels/sampler/ (`sample_ref`), with the kernel's signature, built only
 from reference.sampling and reference.rng. Launch options (shards, config, out) are accepted
 and ignored, because the kernel promises identical bits for every such choice.
 

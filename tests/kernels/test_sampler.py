@@ -1,4 +1,4 @@
-"""kernels/sampler.py against two oracles:
+"""kernels/sampler/ against two oracles:
   (a) a scalar numpy-fp32 replay of reference/sampling.py's pinned semantics taking exp from
       kernels.sampler.kernel_exp (the exp the kernel runs): ids, order, probabilities and tokens
       bit-exact (row kernels.sampler.ids / kernels.sampler.token);
@@ -456,7 +456,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import kernels.sampler_kernels as S
+    import kernels.sampler.device as S
     import kernels.verify as VF
 
     def build(fn, args, consts, warps=4, lib=True):

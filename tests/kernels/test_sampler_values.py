@@ -1,4 +1,4 @@
-"""kernels.sampler_values.DeviceSampling: the sampler reading temperature / top-p from the device
+"""kernels.sampler.values.DeviceSampling: the sampler reading temperature / top-p from the device
 gives the bits of the scalar path, for sample and for the TP pair topk_candidates +
 sample_from_candidates; `update` retargets the same buffers (and a captured graph) to another
 request of the same shape and refuses another shape."""
@@ -10,7 +10,7 @@ import torch
 
 from iquestrt.capture import graph_capture
 from kernels.sampler import SamplerLaunch, sample, sample_from_candidates, topk_candidates
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from qualification.tolerances import check
 from reference.config import SamplingDefaults as SP
 from reference.twins.sampler import sample_ref

@@ -18,7 +18,6 @@ TWIN_FAMILIES = sorted(p.stem for p in (REPO / "reference/twins").glob("*.py")
 HELPERS = {
     "attention_combine": "attention",  # the split-KV combine launch of attention()
     "attention_common": "attention",  # device functions shared by the split and combine kernels
-    "sampler_kernels": "sampler",  # the sampler's and verify's device functions
     "router": "tails",  # the router folded into attn_tail (and rows.route_rows' kernel)
     "readiness": "tails",  # the NaN-readiness poll inlined into the tails
     "peer_partials": "tails",  # the tails' table of peer slots
@@ -38,8 +37,11 @@ def _wrappers(family: str) -> dict[str, object]:
 
 
 def _triton_modules() -> list[str]:
-    return sorted(p.stem for p in (REPO / "kernels").glob("*.py")
-                  if "@triton.jit" in p.read_text())
+    """The kernel families holding Triton code: a module of kernels/, or a package of it (its
+    files are one family, e.g. kernels/sampler/)."""
+    root = REPO / "kernels"
+    return sorted({p.stem if p.parent == root else p.relative_to(root).parts[0]
+                   for p in root.rglob("*.py") if "@triton.jit" in p.read_text()})
 
 
 @pytest.mark.parametrize("family", TWIN_FAMILIES)

@@ -35,7 +35,7 @@ from iquestrt.tp.sampling import (
     order_keys,
 )
 from kernels import sampler as k_sampler
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference.config import SamplingDefaults
 from reference.rng import Purpose
 from reference.twins.sampler import sample_ref

@@ -1,14 +1,14 @@
 """Fused temperature / top-k / top-p sampler with the counter-based draw (kernel family 6).
 Twin: reference/twins/sampler.py `sample_ref` (reference.sampling.served_candidates + draw +
 reference.rng.uniforms); results equal it bit for bit except through exp (see
-kernels/sampler_kernels.py).
+kernels/sampler/device.py).
 
 Dimension letters: R rows (≤ 8 in use), V vocabulary, N shards (virtual TP ranks), Vs = the
 vocabulary of one shard, T tiles per shard, K = top_k (≤ 64), KP = next power of two ≥ K,
 G candidate groups of one merge (tiles, or shards), W output width (K, or 1 when greedy).
 
-The kernels, their launches and the exactness argument live in kernels/sampler_kernels.py, the
-argument checks in kernels/sampler_checks.py. A TP rank runs launches 1 and 2
+The kernels, their launches and the exactness argument live in kernels/sampler/device.py, the
+argument checks in kernels/sampler/checks.py. A TP rank runs launches 1 and 2
 (`topk_candidates`) and all-gathers the keys; `sample_from_candidates` runs launch 3 on them.
 Sharded and unsharded runs pick the same key set (a total order has one top-K and every
 shard's top-K contains that shard's share of it), and everything after the pick is a function
@@ -28,7 +28,7 @@ import torch
 import triton
 
 from kernels.launch import launch_opts
-from kernels.sampler_checks import (
+from kernels.sampler.checks import (
     _check,
     _check_positions,
     _fail,
@@ -37,8 +37,8 @@ from kernels.sampler_checks import (
     _split,
     seed_args,
 )
-from kernels.sampler_kernels import _COMPILE, _exp_kernel, _merge_kernel, _scan_kernel
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.device import _COMPILE, _exp_kernel, _merge_kernel, _scan_kernel
+from kernels.sampler.values import DeviceSampling
 from kernels.twin import twin
 from reference.config import SamplingDefaults
 from reference.op_types import SampleOut

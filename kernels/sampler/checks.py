@@ -1,11 +1,11 @@
-"""Host-side argument checks of the sampler wrappers in kernels/sampler.py (`seed_args` also
+"""Host-side argument checks of the sampler wrappers in kernels/sampler/ (`seed_args` also
 serves kernels/verify.py). Every failure is a ValueError prefixed "kernels.sampler:"."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.sampler_values import DeviceSampling
+from kernels.sampler.values import DeviceSampling
 from reference.config import SamplingDefaults
 from reference.rng import MASK32, Purpose
 

@@ -1,6 +1,6 @@
-"""The @triton.jit code of the sampler (kernels/sampler.py): the shared device helpers
+"""The @triton.jit code of the sampler (kernels/sampler/): the shared device helpers
 (kernels/verify.py uses them too) and the scan, merge and exp kernels with their compile options.
-Dimension letters as in kernels/sampler.py.
+Dimension letters as in kernels/sampler/.
 
 Order keys. A candidate is one int64, key = (m(z) << 32) | (2^31 − 1 − id) with m the monotone
 map of fp32 bits onto int32 (−0.0 first made +0.0, as torch.sort compares). Keys are distinct
@@ -22,7 +22,7 @@ maximum is below τ cannot hold a winner: its candidates are not loaded, and loa
 Exactness. All sums are sequential fp32 loops in the reference's order; divisions use div_rn;
 the kernels launch with FMA contraction and libdevice flush-to-zero off. exp is the one
 primitive not pinned: libdevice `__nv_expf` on the GPU, NumPy's float32 exp under the
-interpreter (up to 3 ulp from the reference's FP64-rounded exp32). kernels/sampler.py `kernel_exp`
+interpreter (up to 3 ulp from the reference's FP64-rounded exp32). kernels/sampler/ `kernel_exp`
 exposes this exact exp so a test can replay the semantics bit for bit; against the exp32 twin the
 probabilities follow the tolerance row kernels.sampler.probs.
 """
@@ -159,7 +159,7 @@ def _scan_kernel(
     if GREEDY:
         z = x
     else:
-        if VALS_FROM_PTR:  # kernels/sampler_values.py: [temperature, top_p, apply_top_p]
+        if VALS_FROM_PTR:  # kernels/sampler/values.py: [temperature, top_p, apply_top_p]
             temperature = tl.load(vals_ptr)
         z = tl.div_rn(x, tl.full(x.shape, 1.0, tl.float32) * temperature)
     keys = tl.where(live, order_key(z, idx), EMPTY)  # [TILE]
