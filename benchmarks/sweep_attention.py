@@ -5,7 +5,7 @@
 For each candidate AttentionConfig and case: check the output against the twin, then time the
 whole call (split + combine) and the split kernel alone as CUDA-graph replays over rotating
 caches (working set > 4x L2); the combine's share is the difference. Prints a table sorted by
-case and time. Used to choose the pinned configs in kernels/attention.py::pick_config.
+case and time. Used to choose the pinned configs in kernels/attention/::pick_config.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Split-KV combine mutant, caught by gate 2 (stability bands).
 
-The split-KV combine exists only in the production kernel (kernels/attention.py): its twin,
+The split-KV combine exists only in the production kernel (kernels/attention/): its twin,
 reference.twins.attention.attention_ref, computes each row in one pass, so there is no combine there
 to break. The control therefore runs gate 2's check on the gate's candidate (the folded-router BF16
 reference) with its attention computed by the production kernels — kernels.attention.attention,

@@ -154,12 +154,12 @@ MUTATIONS = (
         " & bm,",
         "MoE gate/up: the gate weights' scale read from the next 128-column block"),
     KernelMutation(
-        "kq_attention_causal_boundary_off_by_one", "attention.py",
+        "kq_attention_causal_boundary_off_by_one", "attention/__init__.py",
         "    ok = (p[None, :] >= lo[:, None]) & (p[None, :] <= pos[:, None]) & live[:, None]",
         "    ok = (p[None, :] >= lo[:, None]) & (p[None, :] < pos[:, None]) & live[:, None]",
         "split-KV attention: a row does not see its own key (causal boundary < instead of <=)"),
     KernelMutation(
-        "kq_combine_sink_of_next_kv_group", "attention_combine.py",
+        "kq_combine_sink_of_next_kv_group", "attention/combine.py",
         "        sk = tl.load(sink_ptr + (h // G)[:, None] * s_sk + d[None, :], mask=hmask[:,"
         " None],",
         "        sk = tl.load(sink_ptr + ((h // G) ^ 1)[:, None] * s_sk + d[None, :],"
@@ -171,7 +171,7 @@ MUTATIONS = (
         "        slot = (pos + 1) % C",
         "KV write: a ring position lands one slot further on"),
     KernelMutation(
-        "kq_combine_rescale_dropped", "attention_combine.py",
+        "kq_combine_rescale_dropped", "attention/combine.py",
         "        w = tl.exp2((lse - mx[None, :]) * LOG2E)",
         "        w = tl.exp2((lse - lse) * LOG2E)",
         "split-KV combine: the splits are averaged without the exp(lse − M) rescale"),

@@ -255,7 +255,7 @@ def gate_stability(q: QualifyConfig, models: GateModels) -> GateResult:
 
 
 def gate_rings(q: QualifyConfig, models) -> GateResult:
-    """On the kernels' rings (kernels/kv_cache.py + kernels/attention.py); the engine's caches
+    """On the kernels' rings (kernels/kv_cache.py + kernels/attention/); the engine's caches
     are gate 4b's (engine_cache_gate.py)."""
     ok, evidence = ring_gate.run()
     return GateResult("4 ring boundaries", PASS if ok else FAIL, "exact windows", evidence)

@@ -1,4 +1,4 @@
-"""Twin of kernels/attention.py: per live row, reference ops.attention (FP32) over
+"""Twin of kernels/attention/: per live row, reference ops.attention (FP32) over
 exactly the keys that row is entitled to — gathered from the cache by position and *label
 checked*, so a ring that lost history raises instead of silently answering — with the learned
 sink key; rounded once.

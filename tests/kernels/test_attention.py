@@ -429,7 +429,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     from triton.compiler import ASTSource
 
     import kernels.attention as A
-    import kernels.attention_combine as AC
+    import kernels.attention.combine as AC
     import kernels.kv_cache as KV
 
     def build(fn, args, consts, aligned=(), warps=4, stages=2):

@@ -16,8 +16,6 @@ TWIN_FAMILIES = sorted(p.stem for p in (REPO / "reference/twins").glob("*.py")
 # kernel modules with Triton code but no wrapper of their own: each one's kernels are launched
 # by (or inlined into) the family named, whose wrappers carry the twin
 HELPERS = {
-    "attention_combine": "attention",  # the split-KV combine launch of attention()
-    "attention_common": "attention",  # device functions shared by the split and combine kernels
     "router": "tails",  # the router folded into attn_tail (and rows.route_rows' kernel)
     "readiness": "tails",  # the NaN-readiness poll inlined into the tails
     "peer_partials": "tails",  # the tails' table of peer slots

@@ -9,7 +9,7 @@ import dataclasses
 import sys
 
 import kernels.attention as A
-import kernels.attention_combine as AC
+import kernels.attention.combine as AC
 
 mode = sys.argv[1]
 if mode == "base":

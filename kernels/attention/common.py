@@ -1,7 +1,7 @@
-"""What the split and combine programs of kernels/attention.py share: the log constants, the
+"""What the split and combine programs of kernels/attention/ share: the log constants, the
 interpreter's bf16 rounding, the live-row scalar and the split results.
 
-Dimension letters as in kernels/attention.py.
+Dimension letters as in kernels/attention/.
 """
 
 from __future__ import annotations

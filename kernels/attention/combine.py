@@ -1,4 +1,4 @@
-"""The combine of the split-KV attention (kernels/attention.py): merges the splits' FP32 O and
+"""The combine of the split-KV attention (kernels/attention/): merges the splits' FP32 O and
 LSE in FP32 in trips of SB consecutive splits up to the last split with keys (one [SB, HB, D]
 load per trip, summed over the trip by tl.sum, trips added in increasing split order: the bits
 depend on the launch — SB and the warps' reduction tree — which the pinned config fixes, not on
@@ -7,7 +7,7 @@ rounds once to the output dtype and, for the O projection, can quantize its own 
 128-column groups per program, from registers). Padding rows are neither read for results nor
 written.
 
-Dimension letters as in kernels/attention.py.
+Dimension letters as in kernels/attention/.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_common import (
+from kernels.attention.common import (
     LN2,
     LOG2E,
     Partials,

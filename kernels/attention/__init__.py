@@ -16,7 +16,7 @@ Precision. QK: bf16 × bf16 → FP32 (exact products). Softmax in FP32 with exp2
 probabilities are split into two bf16 terms p_hi + p_lo (relative residual ≤ 2^-16) and both
 multiplied with the bf16 V in FP32, so the result matches FP32 math up to accumulation order
 instead of carrying bf16-rounded probabilities. Each split stores FP32 O (normalised) and
-natural-log LSE per (row, head); the combine (kernels/attention_combine.py) merges them in FP32,
+natural-log LSE per (row, head); the combine (kernels/attention/combine.py) merges them in FP32,
 applies the sink and rounds once. Padding rows are neither read for results nor written.
 
 Interpreter branches (constexpr INTERPRET, chosen from TRITON_INTERPRET; compiled kernels never
@@ -37,8 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_combine import attention_combine, combine_quantizes
-from kernels.attention_common import (
+from kernels.attention.combine import attention_combine, combine_quantizes
+from kernels.attention.common import (
     LN2,
     LOG2E,
     Partials,
