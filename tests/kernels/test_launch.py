@@ -6,6 +6,7 @@ global memory access. (That PDL changes no bit is tests/engine/test_engine_pdl.p
 from __future__ import annotations
 
 import ast
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,12 +21,14 @@ KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 def _launches(kernels: Path) -> dict[str, list[tuple[str, ast.Call]]]:
     """<module> → [(kernel name, the launch call)] for every `name_kernel[grid](...)`."""
     out = {}
-    for path in sorted(kernels.glob("*.py")):
+    for path in sorted(kernels.rglob("*.py")):  # family packages (attention/, sampler/) too
+        parts = path.relative_to(kernels).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript)
                     and isinstance(node.func.value, ast.Name)
                     and node.func.value.id.endswith("_kernel")):
-                out.setdefault(path.stem, []).append((node.func.value.id, node))
+                out.setdefault(module, []).append((node.func.value.id, node))
     return out
 
 
@@ -33,7 +36,7 @@ def _functions(kernels: Path) -> dict[str, ast.FunctionDef]:
     """Every module-level function of the package by name (a kernel may be launched from a
     module it is imported into)."""
     out = {}
-    for path in sorted(kernels.glob("*.py")):
+    for path in sorted(kernels.rglob("*.py")):
         out.update({f.name: f for f in ast.parse(path.read_text()).body
                     if isinstance(f, ast.FunctionDef)})
     return out
@@ -73,8 +76,9 @@ def test_every_launched_kernel_enters_through_pdl():
 
 def test_the_check_can_fail(tmp_path):
     """A kernel that loads before pdl_enter, and a launch without launch_opts, are reported."""
-    for f in KERNELS.glob("*.py"):  # the package (rows.py launches router.py's route kernel)
-        (tmp_path / f.name).write_text(f.read_text())
+    # the whole package (rows.py launches router.py's route kernel)
+    shutil.copytree(KERNELS, tmp_path, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     src = (KERNELS / "rows.py").read_text()
     early = src.replace("    pdl_enter(PDL)\n", "    tl.load(n_live_ptr)\n    pdl_enter(PDL)\n", 1)
     assert early != src

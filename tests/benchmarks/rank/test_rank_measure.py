@@ -14,7 +14,7 @@ NOT_IN_A_ROUND = {"_prefetch_scores_kernel", "_prefetch_select_kernel", "_prefet
 
 def _launched_kernels() -> set[str]:
     names = set()
-    for f in KERNELS.glob("*.py"):
+    for f in KERNELS.rglob("*.py"):  # family packages (attention/, sampler/) too
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
                 names.add(node.name)
