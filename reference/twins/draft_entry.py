@@ -10,12 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from reference.twins.kv_cache import as_int
 from reference.twins.rows import live_count, norm_rows_ref
-
-
-def host_int(x) -> int:
-    """A base scalar (host int or device [1] tensor) as a host int."""
-    return x if isinstance(x, int) else int(x.reshape(-1)[0])
 
 
 def draft_entry_ref(tokens_src: torch.Tensor, tok_base, tok_max: int, hid_src: torch.Tensor,
@@ -27,11 +23,11 @@ def draft_entry_ref(tokens_src: torch.Tensor, tok_base, tok_max: int, hid_src: t
     rows, h_size = eh_out.shape[0], embed.shape[1]
     n = live_count(n_live, rows)
     ar = torch.arange(rows, device=tokens_src.device)  # [R]
-    slot = (host_int(tok_base) + ar).clamp(0, tok_max)
+    slot = (as_int(tok_base) + ar).clamp(0, tok_max)
     tok = tokens_src[slot].clamp(0, embed.shape[0] - 1)  # [R]
-    hrow = (host_int(hid_base) + ar).clamp(0, hid_src.shape[0] - 1).to(hid_src.device)
+    hrow = (as_int(hid_base) + ar).clamp(0, hid_src.shape[0] - 1).to(hid_src.device)
     norm_rows_ref(embed[tok.to(embed.device)], enorm, n, eps, y_out=eh_out[:, :h_size])
     norm_rows_ref(hid_src[hrow], hnorm, n, eps, y_out=eh_out[:, h_size:])
     ar = ar.to(pos_out.device)
-    pos_out.copy_(torch.where(ar < n, host_int(pos_base) + ar, -1))
+    pos_out.copy_(torch.where(ar < n, as_int(pos_base) + ar, -1))
     return eh_out, pos_out

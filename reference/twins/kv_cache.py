@@ -18,6 +18,7 @@ def _slot_ref(layout: KVLayout, p: int) -> int:
 
 
 def as_int(x) -> int:
+    """A host int, or a one-element tensor (a device scalar) read as one."""
     return int(x.item()) if isinstance(x, torch.Tensor) else int(x)
 
 

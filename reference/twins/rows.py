@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from reference import ops
+from reference.twins.kv_cache import as_int
 
 NAN = float("nan")
 
 
 def live_count(n_live, rows: int) -> int:
     """n_live (host int or device [1] tensor) as a host int, at most rows."""
-    n = n_live if isinstance(n_live, int) else int(torch.as_tensor(n_live).reshape(-1)[0])
-    return min(n, rows)
+    return min(as_int(n_live), rows)
 
 
 def norm_rows_ref(a: torch.Tensor, w: torch.Tensor | None, n_live, eps: float, *,
