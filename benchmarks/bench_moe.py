@@ -17,6 +17,7 @@ distinct experts × (3·H·I E4M3 + scales) + x read + out written; bandwidth vs
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import capture_graph, time_graph  # noqa: F401
+from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
@@ -112,12 +113,15 @@ def build_problem(spec: BenchSpec, device: torch.device) -> Problem:
                    proj_s, n)
 
 
-def kernel_call(p: Problem, copy: int, rset: int = 0, out: torch.Tensor | None = None):
+def kernel_call(p: Problem, copy: int, rset: int = 0, out: torch.Tensor | None = None,
+                config=None, scratch=None):
+    """config: a kernels.moe.MoeLaunch (None: the pinned one); scratch: the folded SiLU's
+    counters, made once and shared by the calls as the op table does (None: one per call)."""
     from kernels.moe import moe_fp8
 
     c = copy % p.spec.copies
     args = (p.x, p.weights[rset], p.ids[rset], p.fc[c], p.fc_s[c], p.proj[c], p.proj_s[c], p.n_live)
-    return lambda: moe_fp8(*args, out=out)
+    return lambda: moe_fp8(*args, out=out, config=config, scratch=scratch)
 
 
 def torch_call(p: Problem, copy: int, rset: int = 0):
@@ -176,26 +180,41 @@ def must_move_bytes(spec: BenchSpec) -> int:
     return spec.distinct * per_expert + 2 * 2 * spec.rows * h  # + x read, out written (bf16)
 
 
-def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: bool) -> dict:
+def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: bool,
+              fold_ab: bool = False) -> dict:
+    """fold_ab: also time the other settings of MoeLaunch.fold_silu / fold_combine, the graphs
+    replayed alternately; kernel_us stays the pinned launch's time."""
     dev = torch.device("cuda")
     p = build_problem(spec, dev)
-    from kernels.moe import moe_launch
+    from kernels.moe import MoeScratch, moe_launch
 
-    row = {**asdict(spec), "routing_sets": p.sets,
-           "launch": asdict(moe_launch(spec.hidden, spec.inter))}
+    pinned = moe_launch(spec.hidden, spec.inter)
+    row = {**asdict(spec), "routing_sets": p.sets, "launch": asdict(pinned)}
     row.update(check_against_twin(p))
     out = torch.empty(spec.buffer_rows, spec.hidden, dtype=torch.bfloat16, device=dev)
-    calls = [kernel_call(p, j, j % p.sets, out) for j in range(max(p.sets, spec.copies))]
+    scratch = MoeScratch.create(dev)
+    variants = {"pinned": pinned}
+    if fold_ab:
+        for silu, combine in ((False, False), (True, False), (False, True), (True, True)):
+            if (silu, combine) != (pinned.fold_silu, pinned.fold_combine):
+                variants[f"fold_silu={int(silu)},fold_combine={int(combine)}"] = (
+                    dataclasses.replace(pinned, fold_silu=silu, fold_combine=combine))
+    calls = {name: [kernel_call(p, j, j % p.sets, out, cfg, scratch)
+                    for j in range(max(p.sets, spec.copies))] for name, cfg in variants.items()}
     cycled = min(spec.experts, spec.distinct * p.sets) * spec.copies
     row["weights_cycled_MB"] = cycled * 3 * spec.hidden * spec.inter / 1e6
     if row["weights_cycled_MB"] * 1e6 < 2 * L2_BYTES:
         print(f"warning: only {row['weights_cycled_MB']:.0f} MB cycled; raise --copies")
-    us = time_graph(calls, reps, trials, warmup)
+    times = time_graphs_alternating(calls, reps, trials, warmup)
+    us = times.pop("pinned")
+    for name, t in times.items():
+        row[f"{name}_us"] = t
+        row[f"{name}_over_pinned"] = t / us
     moved = must_move_bytes(spec)
     row.update(kernel_us=us, must_move_MB=moved / 1e6, achieved_TBps=moved / us / 1e6,
                frac_of_4_24=moved / us / 1e6 / (HBM_BYTES_PER_S / 1e12))
     if with_torch:
-        tcalls = [torch_call(p, j, j % p.sets) for j in range(len(calls))]
+        tcalls = [torch_call(p, j, j % p.sets) for j in range(len(calls["pinned"]))]
         tus = time_graph(tcalls, max(1, reps // 4), trials, warmup)
         row.update(torch_us=tus, torch_over_kernel=tus / us)
     del p
@@ -214,6 +233,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baseline")
+    ap.add_argument("--fold-ab", action="store_true",
+                    help="also time the other MoeLaunch.fold_silu / fold_combine settings, "
+                         "replays alternating")
     ap.add_argument("--json", type=Path, default=Path("bench_moe.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -225,12 +247,16 @@ def main(argv=None) -> list[dict]:
     rows = []
     for r, d in zip(args.rows, distinct, strict=True):
         spec = BenchSpec(rows=r, distinct=d, copies=args.copies, seed=args.seed)
-        row = bench_one(spec, args.reps, args.trials, args.warmup, not args.no_torch)
+        row = bench_one(spec, args.reps, args.trials, args.warmup, not args.no_torch,
+                        args.fold_ab)
         rows.append(row)
         print(f"rows={r} distinct={d}: {row['kernel_us']:.1f} µs, {row['must_move_MB']:.1f} MB, "
               f"{row['achieved_TBps']:.2f} TB/s ({row['frac_of_4_24']:.0%} of 4.24)"
               + (f", torch {row['torch_us']:.1f} µs ({row['torch_over_kernel']:.1f}×)"
-                 if "torch_us" in row else "") + f"\n   check: {row['kernel_vs_twin']}")
+                 if "torch_us" in row else "")
+              + "".join(f", {k[:-3]} {v:.1f} µs" for k, v in row.items()
+                        if k.startswith("fold_silu=") and k.endswith("_us"))
+              + f"\n   check: {row['kernel_vs_twin']}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         import triton

@@ -43,3 +43,28 @@ def time_graph(calls, reps: int, trials: int, warmup: int) -> float:
         times.append(start.elapsed_time(end) * 1e3 / reps)
     del graph
     return statistics.median(times)
+
+
+def time_graphs_alternating(variants: dict[str, list], reps: int, trials: int,
+                            warmup: int) -> dict[str, float]:
+    """Median µs per call of each variant's graph (`reps` calls cycling through its calls), the
+    variants' replays alternating trial by trial (A B A′ B′ …), so drift in clocks or
+    temperature lands on all of them alike."""
+    graphs = {name: capture_graph(calls, reps) for name, calls in variants.items()}
+    for g in graphs.values():
+        for _ in range(warmup):
+            g.replay()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for t in range(trials):
+        names = list(graphs) if t % 2 == 0 else list(reversed(graphs))
+        for name in names:
+            start, end = (torch.cuda.Event(enable_timing=True),
+                          torch.cuda.Event(enable_timing=True))
+            start.record()
+            graphs[name].replay()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / reps)
+    del graphs
+    return {name: statistics.median(v) for name, v in times.items()}

@@ -24,12 +24,18 @@ Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is rea
      whole BN-channel tile over H (2·32·3072 B) is latency-bound (H200, gate/up + SiLU without
      → with the split: 26.4 → 17.7 µs at 6 rows with 35 distinct experts, 25.6 → 12.3 µs at 1
      row; reports/benchmarks/h200-2026-12-01/session9/exp_router_moe_call2.log).
-  3. SiLU: grid (S,): a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order (fixed: no
-     atomics, the same bits every call), then quantized per slot per 128 columns for down
-     (or stored FP32 by the stage-1 API). The 128-column groups span several channel tiles,
-     so the amax is only known once every tile is written: hence its own launch.
+  3. SiLU: a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order (fixed: the same bits
+     every call), then quantized per slot per 128 columns for down (or stored FP32 by the
+     stage-1 API). The 128-column groups span several channel tiles, so the amax is only known
+     once every tile and split is written. Folded (MoeLaunch.fold_silu, the default): inside
+     launch 2, by the last of an expert's programs to arrive on its counter (`_fold_silu`, a
+     MoeScratch the op table keeps); else its own launch, grid (S,). Same operations in the
+     same order either way: the same bits.
   4. down: grid (S, ⌈H/BN⌉), same expert dedup; writes each slot's FP32 expert output [H].
-  5. combine: grid (R, ⌈H/BH⌉): out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding.
+  5. combine: out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding. Folded
+     (MoeLaunch.fold_combine, the default): inside launch 4, by the K-th down program to arrive
+     on the counter of (row, hidden tile) (`_fold_combine`); else its own launch, grid
+     (R, ⌈H/BH⌉). Both run `_combine_row`: the same bits.
 The weight tile is the MMA's wide side (BN × 128) and the ≤ 16 rows its narrow side, so the
 programs stream weights while rows ride along; slots, tiles and splits spread the work over all
 SMs. E4M3 tiles are widened to FP16 (exact) before tl.dot: Hopper's FP8 MMA accumulates with reduced
@@ -55,6 +61,9 @@ from kernels.twin import twin
 from reference.twins import moe as _twins
 
 BLOCK_R = 16  # rows on the narrow side of the MMA (tl.dot needs >= 16)
+MAX_SLOTS = BLOCK_R * 16  # R·K slots at most (R ≤ 16 rows, top-k ≤ 16)
+MAX_TILES = 1024  # down's hidden tiles the folded combine can count (H ≤ 1024 · down_block_n)
+COUNTERS = MAX_SLOTS + BLOCK_R * MAX_TILES  # MoeScratch: SiLU's, then the combine's
 
 
 # --- kernels ---------------------------------------------------------------------------------
@@ -89,11 +98,15 @@ def _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik,
 @triton.jit
 def _moe_gate_up_kernel(
     xq_ptr, xs_ptr, ids_ptr, n_live_ptr, fc_ptr, fcs_ptr, p_ptr,
+    cnt_ptr, a_ptr, aq_ptr, as_ptr,
     R, H: tl.constexpr, I: tl.constexpr,
     stride_xqr, stride_xsr, stride_ir, stride_ik,
     stride_fe, stride_fn, stride_fk, stride_se, stride_sn, stride_sk, stride_pj, stride_ps,
+    stride_ar, stride_aqr, stride_asr,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr,
+    FOLD: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
@@ -135,21 +148,45 @@ def _moe_gate_up_kernel(
     sm = cm[:, None, None] & hit[None, :, :]
     tl.store(dst, acc_g[:, :, None], mask=sm)
     tl.store(dst + I, acc_u[:, :, None], mask=sm)
+    if FOLD:
+        _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
+                   stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+                   I, K, K_PAD, KS, GROUPS, QUANT, BLOCK_R)
 
 
 @triton.jit
-def _moe_silu_kernel(
-    p_ptr, n_live_ptr, a_ptr, aq_ptr, as_ptr, R,
-    stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
-    I: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr,
-):
-    """Slot s = program_id(0): a = SiLU(Σ_j gate_j)·(Σ_j up_j) over the KS partials in j order;
-    QUANT: a quantized per 128 columns (quantize_act's operations) → aq, as; else a, FP32."""
-    pdl_enter(PDL)
+def _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir, stride_ik,
+               stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+               I: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, KS: tl.constexpr,
+               GROUPS: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Launch 3 folded into launch 2: the lead slot's programs (channel tiles × K splits) arrive
+    on its counter cnt[s] after their partials are stored; the last to arrive runs `_silu_slot`
+    for every live row's slot routed to e and puts cnt[s] back to 0 (the invariant between
+    launches: all counters 0; launches of one stream never overlap)."""
     s = tl.program_id(0)
-    if s >= tl.minimum(tl.load(n_live_ptr), R) * K:
-        return
+    arrivals = tl.num_programs(1) * tl.num_programs(2)
+    # release: every thread's partials are stored before the counter moves
+    tl.debug_barrier()
+    done = tl.atomic_add(cnt_ptr + s, 1, sem="acq_rel", scope="gpu")
+    if done == arrivals - 1:
+        ks = tl.arange(0, K_PAD)
+        for r in range(0, BLOCK_R):  # rows ≥ n_live find no slot
+            rid = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=(ks < K) & (r < n_live),
+                          other=-1)
+            k = tl.min(tl.where(rid == e, ks, K_PAD), axis=0)  # ids are distinct within a row
+            if k < K:
+                _silu_slot(p_ptr, r * K + k, a_ptr, aq_ptr, as_ptr, stride_pj, stride_ps,
+                           stride_ar, stride_aqr, stride_asr, I, KS, GROUPS, QUANT, True)
+        tl.store(cnt_ptr + s, 0)
+
+
+@triton.jit
+def _silu_slot(p_ptr, s, a_ptr, aq_ptr, as_ptr, stride_pj, stride_ps, stride_ar, stride_aqr,
+               stride_asr, I: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr,
+               QUANT: tl.constexpr, VOLATILE: tl.constexpr):
+    """Slot s: a = SiLU(Σ_j gate_j)·(Σ_j up_j) over the KS partials in j order; QUANT: a
+    quantized per 128 columns (quantize_act's operations) → aq, as; else a, FP32. VOLATILE: the
+    partials were written by other programs of this launch (read past L1)."""
     grp = tl.arange(0, GROUPS)
     col = grp[:, None] * 128 + tl.arange(0, 128)[None, :]  # [G, 128]
     m = col < I
@@ -157,8 +194,8 @@ def _moe_silu_kernel(
     u = tl.zeros((GROUPS, 128), tl.float32)
     for j in tl.static_range(KS):
         src = p_ptr + j * stride_pj + s * stride_ps + col
-        g += tl.load(src, mask=m, other=0.0)
-        u += tl.load(src + I, mask=m, other=0.0)
+        g += tl.load(src, mask=m, other=0.0, volatile=VOLATILE)
+        u += tl.load(src + I, mask=m, other=0.0, volatile=VOLATILE)
     a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     if QUANT:
         q, sc = quantize_groups(a)
@@ -169,13 +206,32 @@ def _moe_silu_kernel(
 
 
 @triton.jit
+def _moe_silu_kernel(
+    p_ptr, n_live_ptr, a_ptr, aq_ptr, as_ptr, R,
+    stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+    I: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr,
+):
+    """Launch 3 unfolded: slot s = program_id(0) through `_silu_slot`."""
+    pdl_enter(PDL)
+    s = tl.program_id(0)
+    if s >= tl.minimum(tl.load(n_live_ptr), R) * K:
+        return
+    _silu_slot(p_ptr, s, a_ptr, aq_ptr, as_ptr, stride_pj, stride_ps, stride_ar, stride_aqr,
+               stride_asr, I, KS, GROUPS, QUANT, False)
+
+
+@triton.jit
 def _moe_down_kernel(
     aq_ptr, as_ptr, ids_ptr, n_live_ptr, proj_ptr, ps_ptr, y_ptr,
+    w_ptr, out_ptr, cnt_ptr,
     R, H: tl.constexpr, I: tl.constexpr,
     stride_aqr, stride_asr, stride_ir, stride_ik,
     stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_yr,
+    stride_wr, stride_wk, stride_or,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FOLD: tl.constexpr,
+    OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
@@ -205,6 +261,51 @@ def _moe_down_kernel(
         acc += tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
     tl.store(y_ptr + slot[None, :, :] * stride_yr + h[:, None, None], acc[:, :, None],
              mask=hm[:, None, None] & hit[None, :, :])
+    if FOLD:
+        _fold_combine(y_ptr, w_ptr, out_ptr, cnt_ptr, ids_ptr, e, n_live, h, hm, stride_yr,
+                      stride_wr, stride_wk, stride_or, stride_ir, stride_ik, K, K_PAD, BLOCK_R,
+                      OUT_BF16)
+
+
+@triton.jit
+def _combine_row(y_ptr, w_ptr, out_ptr, r, h, hm, stride_yr, stride_wr, stride_wk, stride_or,
+                 K: tl.constexpr, OUT_BF16: tl.constexpr, VOLATILE: tl.constexpr):
+    """out[r, h] = Σ_k w[r, k] · y[r·K + k, h], FP32 in k order, one rounding. VOLATILE: y was
+    written by other programs of this launch."""
+    acc = tl.zeros(h.shape, dtype=tl.float32)
+    for kk in tl.static_range(K):  # pinned order: k = 0, 1, …, K−1
+        w = tl.load(w_ptr + r * stride_wr + kk * stride_wk)
+        acc = acc + w * tl.load(y_ptr + (r * K + kk) * stride_yr + h, mask=hm, other=0.0,
+                                volatile=VOLATILE)
+    if OUT_BF16:
+        tl.store(out_ptr + r * stride_or + h, bf16_rne(acc), mask=hm)
+    else:
+        tl.store(out_ptr + r * stride_or + h, acc, mask=hm)
+
+
+@triton.jit
+def _fold_combine(y_ptr, w_ptr, out_ptr, cnt_ptr, ids_ptr, e, n_live, h, hm, stride_yr,
+                  stride_wr, stride_wk, stride_or, stride_ir, stride_ik,
+                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                  OUT_BF16: tl.constexpr):
+    """Launch 5 folded into launch 4: for each live row r routed to e, this program (hidden
+    tile t) arrives on cnt[r, t] after storing its y; the K-th arrival — the row's K experts
+    all wrote tile t — sums the row's tile in k order and puts cnt[r, t] back to 0 (the
+    invariant between launches: all counters 0)."""
+    t = tl.program_id(1)
+    tiles = tl.num_programs(1)
+    # release: every thread's y is stored before a counter moves
+    tl.debug_barrier()
+    ks = tl.arange(0, K_PAD)
+    for r in range(0, BLOCK_R):  # rows ≥ n_live find no slot
+        rid = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=(ks < K) & (r < n_live),
+                      other=-1)
+        if tl.max((rid == e).to(tl.int32), axis=0) > 0:
+            done = tl.atomic_add(cnt_ptr + r * tiles + t, 1, sem="acq_rel", scope="gpu")
+            if done == K - 1:
+                _combine_row(y_ptr, w_ptr, out_ptr, r, h, hm, stride_yr, stride_wr, stride_wk,
+                             stride_or, K, OUT_BF16, True)
+                tl.store(cnt_ptr + r * tiles + t, 0)
 
 
 @triton.jit
@@ -213,20 +314,14 @@ def _moe_combine_kernel(
     stride_yr, stride_wr, stride_wk, stride_or,
     K: tl.constexpr, BLOCK_H: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Launch 5 unfolded: grid (R, ⌈H/BH⌉), row r's tile through `_combine_row`."""
     pdl_enter(PDL)
     r = tl.program_id(0)
     if r >= tl.load(n_live_ptr):
         return
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    hm = h < H
-    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for kk in tl.static_range(K):  # pinned order: k = 0, 1, …, K−1
-        w = tl.load(w_ptr + r * stride_wr + kk * stride_wk)
-        acc = acc + w * tl.load(y_ptr + (r * K + kk) * stride_yr + h, mask=hm, other=0.0)
-    if OUT_BF16:
-        tl.store(out_ptr + r * stride_or + h, bf16_rne(acc), mask=hm)
-    else:
-        tl.store(out_ptr + r * stride_or + h, acc, mask=hm)
+    _combine_row(y_ptr, w_ptr, out_ptr, r, h, h < H, stride_yr, stride_wr, stride_wk, stride_or,
+                 K, OUT_BF16, False)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -298,28 +393,63 @@ def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl) -> _
     return _GateUp(xq, xs, ids, fc, fc_scale_inv, n, r, hidden, inter, k, cfg, pdl)
 
 
-def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None) -> None:
-    """Launches 2 and 3: the K-split partials, then SiLU(gate)·up per live slot into a (FP32)
-    or, quantized, into (aq, sa)."""
+@dataclass(frozen=True)
+class MoeScratch:
+    """The folded launches' arrival counters (`_fold_silu`: one per slot; `_fold_combine`: one
+    per row and hidden tile), all 0 between launches — the last program to arrive puts its
+    counter back. Made once per device and reused by every call (a captured graph replays it);
+    a fresh one costs a fill launch."""
+
+    counters: torch.Tensor  # [MAX_SLOTS + BLOCK_R·MAX_TILES] int32
+
+    @classmethod
+    def create(cls, device) -> MoeScratch:
+        return cls(torch.zeros(COUNTERS, dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        """After an aborted launch (device synchronized): every counter 0."""
+        self.counters.zero_()
+
+
+def _scratch(scratch: MoeScratch | None, fold: bool, device) -> MoeScratch | None:
+    if not fold:
+        return None
+    if scratch is None:
+        return MoeScratch.create(device)
+    check_tensor("scratch.counters", scratch.counters, shape=(COUNTERS,), dtypes=(torch.int32,),
+                 device=device)
+    return scratch
+
+
+def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
+                  scratch: MoeScratch | None = None) -> None:
+    """Launch 2, then 3 (or 3 inside 2, cfg.fold_silu): the K-split partials, then SiLU(gate)·up
+    per live slot into a (FP32) or, quantized, into (aq, sa)."""
     cfg, r, k, inter = g.cfg, g.rows, g.k, g.inter
     ks = cfg.k_splits(g.hidden)
     part = torch.empty(ks, r * k, 2 * inter, dtype=torch.float32, device=g.xq.device)
-    _moe_gate_up_kernel[(r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)](
-        g.xq, g.xs, g.ids, g.n, g.fc, g.fc_scale_inv, part, r, g.hidden, inter,
-        g.xq.stride(0), g.xs.stride(0), g.ids.stride(0), g.ids.stride(1),
-        *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1),
-        K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
-        BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
-        K_BLOCKS=cfg.k_blocks(g.hidden),
-        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
-    )
     quant = a is None
     dummy = part
+    a_, aq_, sa_ = (dummy, aq, sa) if quant else (a, dummy, dummy)
+    strides = (0, aq.stride(0), sa.stride(0)) if quant else (a.stride(0), 0, 0)
+    groups = triton.next_power_of_2(blocks(inter))
+    sc = _scratch(scratch, cfg.fold_silu, g.xq.device)
+    _moe_gate_up_kernel[(r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)](
+        g.xq, g.xs, g.ids, g.n, g.fc, g.fc_scale_inv, part,
+        dummy if sc is None else sc.counters, a_, aq_, sa_, r, g.hidden, inter,
+        g.xq.stride(0), g.xs.stride(0), g.ids.stride(0), g.ids.stride(1),
+        *g.fc.stride(), *g.fc_scale_inv.stride(), part.stride(0), part.stride(1), *strides,
+        K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
+        BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
+        K_BLOCKS=cfg.k_blocks(g.hidden), FOLD=sc is not None, KS=ks, GROUPS=groups,
+        QUANT=quant,
+        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
+    )
+    if sc is not None:
+        return
     _moe_silu_kernel[(r * k,)](
-        part, g.n, dummy if quant else a, aq if quant else dummy, sa if quant else dummy, r,
-        part.stride(0), part.stride(1), 0 if quant else a.stride(0),
-        aq.stride(0) if quant else 0, sa.stride(0) if quant else 0,
-        I=inter, K=k, KS=ks, GROUPS=triton.next_power_of_2(blocks(inter)), QUANT=quant,
+        part, g.n, a_, aq_, sa_, r, part.stride(0), part.stride(1), *strides,
+        I=inter, K=k, KS=ks, GROUPS=groups, QUANT=quant,
         num_warps=cfg.num_warps, **launch_opts(g.pdl),
     )
 
@@ -335,6 +465,7 @@ def moe_gate_up_fp8(
     out: torch.Tensor | None = None,  # [R·K, I] fp32, unit column stride
     config: MoeLaunch | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
+    scratch: MoeScratch | None = None,  # the folded SiLU's counters; None: made for this call
     pdl: bool = False,
 ) -> torch.Tensor:
     """Stage 1: SiLU(gate)·up per slot, FP32 [R·K, I]; slots of rows ≥ n untouched. quantized =
@@ -348,7 +479,7 @@ def moe_gate_up_fp8(
     check_tensor("out", out, shape=(g.rows * g.k, g.inter), dtypes=(torch.float32,), device=dev)
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
-    _gate_up_silu(g, a=out)
+    _gate_up_silu(g, a=out, scratch=scratch)
     return out
 
 
@@ -383,27 +514,41 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
     check_tensor("out", out, shape=(r, hidden), dtypes=(out_dtype,), device=dev)
     if out.stride(1) != 1:
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
-    return _Down(weights, ids, proj, proj_scale_inv, n, out,
-                 config or moe_launch(hidden, inter, dev.type), pdl)
+    cfg = config or moe_launch(hidden, inter, dev.type)
+    tiles = triton.cdiv(hidden, cfg.down_block_n)
+    if cfg.fold_combine and tiles > MAX_TILES:
+        raise ValueError(f"MoeLaunch.down_block_n: {cfg.down_block_n} gives {tiles} hidden "
+                         f"tiles at H {hidden}; the folded combine counts at most {MAX_TILES}")
+    return _Down(weights, ids, proj, proj_scale_inv, n, out, cfg, pdl)
 
 
-def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor) -> torch.Tensor:
-    """Launches 4 and 5 on the quantized intermediate aq [S, I] E4M3, sa [S, ⌈I/128⌉]."""
+def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor,
+                  scratch: MoeScratch | None = None) -> torch.Tensor:
+    """Launches 4 and 5 (or 5 inside 4, cfg.fold_combine) on the quantized intermediate
+    aq [S, I] E4M3, sa [S, ⌈I/128⌉]."""
     r, k = d.weights.shape
     hidden, inter = d.proj.shape[1], d.proj.shape[2]
     cfg, out = d.cfg, d.out
     y = torch.empty(r * k, hidden, dtype=torch.float32, device=out.device)  # [S, H] per slot
-    _moe_down_kernel[(r * k, triton.cdiv(hidden, cfg.down_block_n))](
-        aq, sa, d.ids, d.n, d.proj, d.proj_scale_inv, y, r, hidden, inter,
+    tiles = triton.cdiv(hidden, cfg.down_block_n)
+    fold = cfg.fold_combine
+    sc = _scratch(scratch, fold, out.device)
+    bf16 = out.dtype == torch.bfloat16
+    _moe_down_kernel[(r * k, tiles)](
+        aq, sa, d.ids, d.n, d.proj, d.proj_scale_inv, y, d.weights, out,
+        y if sc is None else sc.counters[MAX_SLOTS:], r, hidden, inter,
         aq.stride(0), sa.stride(0), d.ids.stride(0), d.ids.stride(1),
         *d.proj.stride(), *d.proj_scale_inv.stride(), y.stride(0),
+        d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
-        BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R,
+        BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, FOLD=fold, OUT_BF16=bf16,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )
+    if fold:
+        return out
     _moe_combine_kernel[(r, triton.cdiv(hidden, cfg.combine_block_h))](
         y, d.weights, d.n, out, hidden, y.stride(0), d.weights.stride(0), d.weights.stride(1),
-        out.stride(0), K=k, BLOCK_H=cfg.combine_block_h, OUT_BF16=out.dtype == torch.bfloat16,
+        out.stride(0), K=k, BLOCK_H=cfg.combine_block_h, OUT_BF16=bf16,
         num_warps=cfg.num_warps, **launch_opts(d.pdl),
     )
     return out
@@ -421,6 +566,7 @@ def moe_down_fp8(
     out: torch.Tensor | None = None,  # [R, H] out_dtype, unit column stride
     out_dtype: torch.dtype = torch.bfloat16,
     config: MoeLaunch | None = None,
+    scratch: MoeScratch | None = None,  # the folded combine's counters; None: made for this call
     pdl: bool = False,
 ) -> torch.Tensor:
     """Stage 2: requantize a per slot per 128 columns, down GEMM, k-ordered weighted sum → [R, H]
@@ -433,7 +579,7 @@ def moe_down_fp8(
     if a.shape[0] != r * k:
         raise ValueError(f"a: expected {r * k} slot rows (R·K), got shape {tuple(a.shape)}")
     aq, sa = quantize_act(a, d.n, rows_per_live=k, pdl=pdl)
-    return _down_combine(d, aq, sa)
+    return _down_combine(d, aq, sa, scratch)
 
 
 @twin(_twins.moe_fp8_ref)
@@ -451,6 +597,7 @@ def moe_fp8(
     out_dtype: torch.dtype = torch.bfloat16,
     config: MoeLaunch | None = None,
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # see moe_gate_up_fp8
+    scratch: MoeScratch | None = None,  # see moe_gate_up_fp8
     pdl: bool = False,
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
@@ -470,5 +617,7 @@ def moe_fp8(
     s = g.rows * g.k
     aq = torch.empty(s, g.inter, dtype=E4M3, device=x.device)
     sa = torch.empty(s, blocks(g.inter), dtype=torch.float32, device=x.device)
-    _gate_up_silu(g, aq=aq, sa=sa)
-    return _down_combine(d, aq, sa)
+    if scratch is None and (g.cfg.fold_silu or g.cfg.fold_combine):
+        scratch = MoeScratch.create(x.device)
+    _gate_up_silu(g, aq=aq, sa=sa, scratch=scratch)
+    return _down_combine(d, aq, sa, scratch)

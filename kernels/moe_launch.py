@@ -21,6 +21,8 @@ class MoeLaunch:
     gate_up_k_blocks: int = 1 << 30  # 128-column hidden blocks per gate/up K split
     gate_up_warps: int = 4
     down_warps: int = 4
+    fold_silu: bool = True  # SiLU + requant inside the gate/up launch (kernels/moe.py _fold_silu)
+    fold_combine: bool = True  # the k-ordered sum inside the down launch (_fold_combine)
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):

@@ -12,6 +12,7 @@ Dimension letters: R buffer rows, n live rows, H hidden, E experts, K top-k, I i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -23,7 +24,16 @@ import torch
 
 from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
-from kernels.moe import MoeLaunch, moe_down_fp8, moe_fp8, moe_gate_up_fp8, moe_launch
+from kernels.moe import (
+    COUNTERS,
+    MAX_TILES,
+    MoeLaunch,
+    MoeScratch,
+    moe_down_fp8,
+    moe_fp8,
+    moe_gate_up_fp8,
+    moe_launch,
+)
 from qualification.tolerances import check, grid_steps, tolerance
 from reference import ops
 from reference.twins.moe import moe_down_fp8_ref, moe_fp8_ref, moe_gate_up_fp8_ref
@@ -265,6 +275,67 @@ def test_prequantized_operand_gives_the_same_bits(device):
             moe_fp8(*args, quantized=bad)
 
 
+FOLD_CASES = (CASES[1], CASES[4], CASES[7])  # tiny-5of8, odd-5of6, h200-launch-3of4
+
+
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: c.name)
+@pytest.mark.slow
+def test_folded_silu_gives_the_unfolded_bits(case, device):
+    """SiLU + requant inside the gate/up launch (last arrival per expert) and the k-ordered
+    combine inside the down launch (K-th arrival per row and tile) == their own launches, bit
+    for bit, for the whole op and each stage's output; the counters are all 0 afterwards, so
+    one scratch serves the next call (a second call gives the same bits)."""
+    d = to_dev(make_inputs(case, 31), device)
+    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    on, off = (dataclasses.replace(cfg, fold_silu=f, fold_combine=f) for f in (True, False))
+    scratch = MoeScratch.create(device)
+    n, k = case.n_live, case.top_k
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args, config=off)[:n].cpu().view(torch.int16)
+    for _ in range(2):
+        got = moe_fp8(*args, config=on, scratch=scratch)[:n].cpu().view(torch.int16)
+        assert torch.equal(got, want)
+        assert int(scratch.counters.abs().sum()) == 0, "a counter was not put back to 0"
+    a_on = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n, config=on, scratch=scratch)
+    a_off = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n, config=off)
+    assert torch.equal(a_on[: n * k].cpu(), a_off[: n * k].cpu())
+    down = (a_off, d.weights, d.ids, d.proj, d.proj_s, d.n)
+    y_on = moe_down_fp8(*down, out_dtype=torch.float32, config=on, scratch=scratch)
+    y_off = moe_down_fp8(*down, out_dtype=torch.float32, config=off)
+    assert torch.equal(y_on[:n].cpu(), y_off[:n].cpu())
+    assert int(scratch.counters.abs().sum()) == 0
+
+
+@pytest.mark.slow
+def test_folded_silu_needs_clean_counters(device):
+    """The invariant matters: counters left one arrival ahead make each expert's SiLU and each
+    row's combine run before their last inputs are written (or never), which the unfolded bits
+    show. The dirty call comes
+    first on these inputs, so no freed buffer can hold their right intermediate. A scratch of
+    the wrong shape is refused before any launch."""
+    case = CASES[1]
+    d = to_dev(make_inputs(case, 32), device)
+    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    scratch = MoeScratch.create(device)
+    scratch.counters.fill_(1)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    n = case.n_live
+    dirty = moe_fp8(*args, config=cfg, scratch=scratch)[:n].cpu().view(torch.int16)
+    want = moe_fp8(*args, config=dataclasses.replace(cfg, fold_silu=False, fold_combine=False))
+    assert not torch.equal(dirty, want[:n].cpu().view(torch.int16))
+    with pytest.raises(ValueError, match="scratch.counters"):
+        moe_fp8(*args, scratch=MoeScratch(torch.zeros(COUNTERS - 1, dtype=torch.int32,
+                                                       device=device)))
+    # more hidden tiles than the combine counters cover: refused before any launch
+    h = 16 * MAX_TILES + 16
+    proj = torch.zeros(1, h, 64, dtype=E4M3, device=device)
+    proj_s = torch.ones(1, -(-h // 128), 1, device=device)
+    one = (torch.ones(1, 64, device=device), torch.ones(1, 1, device=device),
+           torch.zeros(1, 1, dtype=torch.int32, device=device), proj, proj_s)
+    with pytest.raises(ValueError, match="folded combine counts at most"):
+        moe_down_fp8(*one, config=dataclasses.replace(cfg, down_block_n=16))
+
+
 def weight_reads(monkeypatch, run) -> np.ndarray:
     """Addresses of every element the interpreter loads (unmasked lanes) while run() executes."""
     from triton.runtime import interpreter
@@ -437,16 +508,19 @@ def build(fn, sig, const, opts, div16):
     k = triton.compile(ASTSource(fn, full, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    return {t: len(re.findall(t, ptx)) for t in ("cp.async", "wgmma", "mma.sync", "ex2")}
+    return {t: len(re.findall(t, ptx))
+            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
+                      "ld.volatile.global")}
 
 tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
 cfg = moe.moe_launch(3072, 192)
 f8, f32, i32 = "*fp8e4nv", "*fp32", "*i32"
 out = {
     "gate_up": build(moe._moe_gate_up_kernel,
-        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32),
+        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
+             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1),
+             stride_ik=1, FOLD=cfg.fold_silu, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"]),
@@ -456,8 +530,9 @@ out = {
         dict(num_warps=cfg.num_warps), ["p_ptr", "aq_ptr", "as_ptr", "stride_pj", "stride_ps"]),
     "down": build(moe._moe_down_kernel,
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
-             y_ptr=f32),
-        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1),
+             y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32),
+        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=cfg.fold_combine,
+             OUT_BF16=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "as_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "stride_aqr", "stride_pe",
          "stride_pn", "stride_yr"]),
@@ -483,6 +558,11 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("gate_up", "down"):
         assert got[name]["wgmma"] + got[name]["mma.sync"] > 0, f"{name}: no tensor-core MMA"
     assert got["silu"]["ex2"] > 0
+    # the pinned launch folds SiLU into gate/up: its arrival counter and SiLU's exp are there
+    assert got["gate_up"]["atom.global.gpu.acq_rel"] == 1 and got["gate_up"]["ex2"] > 0
+    assert got["gate_up"]["ld.volatile.global"] > 0  # the partials other programs wrote
+    # and the combine into down: one counter per live row routed to the expert, volatile y
+    assert got["down"]["atom.global.gpu.acq_rel"] == 1 and got["down"]["ld.volatile.global"] > 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -497,6 +577,33 @@ def test_moe_tp8_matches_twin(n_live, device):
     report = run_case(case, seed=500 + n_live, device=device)
     for key, val in report.items():
         print(f"  {key}: {val}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
+    """On the GPU the folded programs really run concurrently: the arrival counters must order
+    every partial and every y before the program that reads them. 20 graph replays of the
+    pinned (folded) launch give the unfolded launches' bits each time; counters end at 0."""
+    case = Case(f"tp8-fold-{n_live}of8", **TP8, rows=8, n_live=n_live)
+    d = to_dev(make_inputs(case, 600 + n_live), device)
+    cfg = moe_launch(3072, 192)
+    assert cfg.fold_silu and cfg.fold_combine
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    unfolded = dataclasses.replace(cfg, fold_silu=False, fold_combine=False)
+    want = moe_fp8(*args, config=unfolded)[:n_live].view(torch.int16).clone()
+    scratch = MoeScratch.create(device)
+    out = poisoned((8, 3072), torch.bfloat16, device)
+    moe_fp8(*args, config=cfg, scratch=scratch, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        moe_fp8(*args, config=cfg, scratch=scratch, out=out)
+    for i in range(20):
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
+    assert int(scratch.counters.abs().sum()) == 0
 
 
 @pytest.mark.gpu
