@@ -27,15 +27,15 @@ Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is rea
   3. SiLU: a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order (fixed: the same bits
      every call), then quantized per slot per 128 columns for down (or stored FP32 by the
      stage-1 API). The 128-column groups span several channel tiles, so the amax is only known
-     once every tile and split is written. Folded (MoeLaunch.fold_silu, the default): inside
-     launch 2, by the last of an expert's programs to arrive on its counter (`_fold_silu`, a
-     MoeScratch the op table keeps); else its own launch, grid (S,). Same operations in the
-     same order either way: the same bits.
+     once every tile and split is written: its own launch, grid (S,). MoeLaunch.fold_silu runs
+     it inside launch 2 instead, by the last of an expert's programs to arrive on its counter
+     (`_fold_silu`, a MoeScratch the op table keeps): the same operations in the same order,
+     the same bits, one launch fewer — and slower on the H200 (kernels/moe_launch.py), so off.
   4. down: grid (S, ⌈H/BN⌉), same expert dedup; writes each slot's FP32 expert output [H].
-  5. combine: out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding. Folded
-     (MoeLaunch.fold_combine, the default): inside launch 4, by the K-th down program to arrive
-     on the counter of (row, hidden tile) (`_fold_combine`); else its own launch, grid
-     (R, ⌈H/BH⌉). Both run `_combine_row`: the same bits.
+  5. combine: out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding; grid
+     (R, ⌈H/BH⌉). MoeLaunch.fold_combine runs it inside launch 4, by the K-th down program to
+     arrive on the counter of (row, hidden tile) (`_fold_combine`); both run `_combine_row`:
+     the same bits. Off, as fold_silu.
 The weight tile is the MMA's wide side (BN × 128) and the ≤ 16 rows its narrow side, so the
 programs stream weights while rows ride along; slots, tiles and splits spread the work over all
 SMs. E4M3 tiles are widened to FP16 (exact) before tl.dot: Hopper's FP8 MMA accumulates with reduced
@@ -412,13 +412,13 @@ class MoeScratch:
 
 
 def _scratch(scratch: MoeScratch | None, fold: bool, device) -> MoeScratch | None:
+    """The counters a folded launch uses (checked whenever given), None when not folded."""
+    if scratch is not None:
+        check_tensor("scratch.counters", scratch.counters, shape=(COUNTERS,),
+                     dtypes=(torch.int32,), device=device)
     if not fold:
         return None
-    if scratch is None:
-        return MoeScratch.create(device)
-    check_tensor("scratch.counters", scratch.counters, shape=(COUNTERS,), dtypes=(torch.int32,),
-                 device=device)
-    return scratch
+    return MoeScratch.create(device) if scratch is None else scratch
 
 
 def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,

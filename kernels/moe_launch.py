@@ -21,8 +21,10 @@ class MoeLaunch:
     gate_up_k_blocks: int = 1 << 30  # 128-column hidden blocks per gate/up K split
     gate_up_warps: int = 4
     down_warps: int = 4
-    fold_silu: bool = True  # SiLU + requant inside the gate/up launch (kernels/moe.py _fold_silu)
-    fold_combine: bool = True  # the k-ordered sum inside the down launch (_fold_combine)
+    # launches 3 and 5 folded into 2 and 4 by arrival counters (kernels/moe.py _fold_silu,
+    # _fold_combine): same bits, fewer launches, but slower on the H200 — see moe_launch
+    fold_silu: bool = False
+    fold_combine: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -59,7 +61,13 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
     21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
     µs for 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
-    40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits)."""
+    40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits).
+    Folds off (reports/benchmarks/moe-fold-h200/, `bench_moe --fold-ab`, graphs alternating):
+    at 1 / 4 / 6 / 8 rows the separate SiLU and combine launches take 23.8 / 34.2 / 42.8 /
+    50.5 µs; SiLU folded +2.0 / +3.6 / +4.0 / +4.4 µs, combine folded +1.3 / +4.4 / +8.5 /
+    +8.3 µs, both +3.4 / +8.0 / +12.4 / +12.6 µs. The fold puts an acq_rel atomic (and, for the
+    last arrival, dependent volatile loads) at the end of every program, on the critical path
+    of ≈ 1 000–2 300 short programs, which costs more than the ≈ 2 µs launch it removes."""
     if device_type == "cpu":
         return MoeLaunch(
             gate_up_block_n=max(16, triton.next_power_of_2(inter)),

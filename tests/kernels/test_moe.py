@@ -315,7 +315,9 @@ def test_folded_silu_needs_clean_counters(device):
     the wrong shape is refused before any launch."""
     case = CASES[1]
     d = to_dev(make_inputs(case, 32), device)
-    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    cfg = dataclasses.replace(case.config or moe_launch(case.hidden, case.inter,
+                                                         torch.device(device).type),
+                              fold_silu=True, fold_combine=True)
     scratch = MoeScratch.create(device)
     scratch.counters.fill_(1)
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
@@ -520,7 +522,7 @@ out = {
         dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
              cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1, FOLD=cfg.fold_silu, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True),
+             stride_ik=1, FOLD=True, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"]),
@@ -531,7 +533,7 @@ out = {
     "down": build(moe._moe_down_kernel,
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
              y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32),
-        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=cfg.fold_combine,
+        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=True,
              OUT_BF16=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "as_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "stride_aqr", "stride_pe",
@@ -558,7 +560,7 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("gate_up", "down"):
         assert got[name]["wgmma"] + got[name]["mma.sync"] > 0, f"{name}: no tensor-core MMA"
     assert got["silu"]["ex2"] > 0
-    # the pinned launch folds SiLU into gate/up: its arrival counter and SiLU's exp are there
+    # the folded variants (kept, off by default): the arrival counter and SiLU's exp are there
     assert got["gate_up"]["atom.global.gpu.acq_rel"] == 1 and got["gate_up"]["ex2"] > 0
     assert got["gate_up"]["ld.volatile.global"] > 0  # the partials other programs wrote
     # and the combine into down: one counter per live row routed to the expert, volatile y
@@ -584,11 +586,10 @@ def test_moe_tp8_matches_twin(n_live, device):
 def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
     """On the GPU the folded programs really run concurrently: the arrival counters must order
     every partial and every y before the program that reads them. 20 graph replays of the
-    pinned (folded) launch give the unfolded launches' bits each time; counters end at 0."""
+    folded launch give the unfolded launches' bits each time; counters end at 0."""
     case = Case(f"tp8-fold-{n_live}of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 600 + n_live), device)
-    cfg = moe_launch(3072, 192)
-    assert cfg.fold_silu and cfg.fold_combine
+    cfg = dataclasses.replace(moe_launch(3072, 192), fold_silu=True, fold_combine=True)
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     unfolded = dataclasses.replace(cfg, fold_silu=False, fold_combine=False)
     want = moe_fp8(*args, config=unfolded)[:n_live].view(torch.int16).clone()
