@@ -72,8 +72,7 @@ class RuntimeCaches:
         """Keep positions < keep; positions keep … written−1 were written and are rejected."""
         if not 0 <= keep <= written:
             raise ValueError(f"settle_target: keep {keep} outside [0, written={written}]")
-        for layer in self.target:
-            ops.rollback(layer, keep, written)
+        ops.rollback_layers(self.target, keep, written)
         self.target_len = keep
 
     def settle_draft(self, ops, keep: int) -> None:

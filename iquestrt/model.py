@@ -1,8 +1,9 @@
 """The runtime target forward: ≤ max_width live rows of consecutive positions in a padded buffer,
 built from the ops table (iquestrt/ops.py). Prefill runs the same forward over chunks.
 
-Per layer: linear_fp8 QKV (split-K partials) → qk_rope → write_kv → attention → linear_fp8 O
-(partials) → attention tail → FFN → the next layer's normalized input.
+Per layer: linear_fp8 QKV (split-K partials) → qk_rope (which writes the layer's K/V cache in the
+same launch) → attention → linear_fp8 O (partials) → attention tail → FFN → the next layer's
+normalized input.
   * layers ≥ 1: attn_tail (residual base xn, attn_out_norm, feed_forward_norm and the folded FP32
     router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
     next layer's attention_norm — or the final norm after the last layer). Each tail also
@@ -52,10 +53,10 @@ def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, tab
     parts = ops.linear_fp8_partials(xn, aw.qkv, live, xq=xq)  # [S, R, (Hq + 2·Hkv)·D]
     if qkv_view is not None:
         parts = qkv_view(parts).contiguous()
-    q, k, v = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
+    q, _, _ = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
                           num_q_heads=cfg_t.num_attention_heads,
-                          num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps)
-    ops.write_kv(cache, k, v, pos, live)
+                          num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps,
+                          cache=cache)
     scale = cfg_t.head_dim**-0.5
     if quantize_o:
         o, oq = ops.attention_q(q, cache, pos, live, aw.sink_k, scale)  # [R, Hq, D]

@@ -34,6 +34,8 @@ from reference.op_types import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from iquestrt.weights import Fp8Linear, MoeWeights
     from kernels.peer_partials import RingRead
     from kernels.qk_rope import RopeTable
@@ -79,18 +81,22 @@ class OpTable(Protocol):
     # --- attention -------------------------------------------------------------------------
     def qk_rope(self, parts: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
                 positions: Tensor, table: RopeTable, live: Live, *, num_q_heads: int,
-                num_kv_heads: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                num_kv_heads: int, eps: float, cache: LayerKV | None = None
+                ) -> tuple[Tensor, Tensor, Tensor]:
         """QKV [R, (Hq + 2·Hkv)·D] bf16 or its partials [S, R, ·] FP32 → q [R, Hq, D],
-        k [R, Hkv, D], v [R, Hkv, D] bf16: per-head RMS norm of q and k, RoPE at positions."""
-
-    def write_kv(self, cache: LayerKV, k: Tensor, v: Tensor, positions: Tensor, live: Live
-                 ) -> None:
-        """k, v [R, Hkv, D] into the layer's cache at positions [R] (ring slot p mod capacity on
-        a sliding layer); the slot's position label is written with them."""
+        k [R, Hkv, D], v [R, Hkv, D] bf16: per-head RMS norm of q and k, RoPE at positions
+        [R] int32. With the layer's cache, the live rows' k and v are stored in it too, at
+        their positions' slots (ring slot p mod capacity on a sliding layer) with the slots'
+        position labels; a negative position stores nothing."""
 
     def rollback(self, cache: LayerKV, keep: int | Tensor, written: int | Tensor) -> None:
         """Positions [keep, written) are no longer in the cache: their slots are relabelled
         empty (at most ROLLBACK_ROWS of them); host ints, or device [1] scalars."""
+
+    def rollback_layers(self, caches: Sequence[LayerKV], keep: int | Tensor,
+                        written: int | Tensor) -> None:
+        """rollback of every cache of caches with the same bounds (the target layers'
+        settlement)."""
 
     def attention(self, q: Tensor, cache: LayerKV, positions: Tensor, live: Live,
                   sink_k: Tensor | None, scale: float) -> Tensor:

@@ -52,10 +52,15 @@ class KernelOps:
         self.dev, self.max_polls, self.pdl = device, max_polls, pdl
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
         self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
+        self.moe_scratch = k_moe.MoeScratch.create(device)  # the folded SiLU's counters
+        # rollback_layers' device tables, one per list of caches (LayerTable.key); never
+        # dropped: a captured round graph keeps reading the one it captured
+        self._layer_tables: dict[tuple, k_kv.LayerTable] = {}
 
     def reset(self) -> None:
-        """After a failure flag: restore the router scratch invariant (kernels/tails.py)."""
-        for s in [*self._scratch.values(), *self._route_scratch.values()]:
+        """After a failure flag: restore the router and MoE scratch invariants (kernels/tails.py,
+        kernels/moe.py)."""
+        for s in [*self._scratch.values(), *self._route_scratch.values(), self.moe_scratch]:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
@@ -70,17 +75,20 @@ class KernelOps:
         return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype, pdl=self.pdl)
 
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
-                num_kv_heads, eps):
+                num_kv_heads, eps, cache=None):
+        """With a cache: the KV write in the same launch."""
         return k_qk.qk_rope(parts, q_norm, k_norm, positions, table, live.t,
                             num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps,
-                            pdl=self.pdl)
-
-    def write_kv(self, cache, k, v, positions, live: Live) -> None:
-        k_kv.write_kv(cache, k, v, positions, live.t, pdl=self.pdl)
+                            cache=cache, pdl=self.pdl)
 
     def rollback(self, cache, keep, written) -> None:
         """keep/written: host ints, or device [1] scalars (a device-resident round)."""
         k_kv.rollback(cache, keep, written, max_rows=ROLLBACK_ROWS, pdl=self.pdl)
+
+    def rollback_layers(self, caches, keep, written) -> None:
+        """One launch for all caches."""
+        k_kv.rollback_layers(caches, keep, written, max_rows=ROLLBACK_ROWS,
+                             tables=self._layer_tables, pdl=self.pdl)
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
         return k_attention.attention(q, cache, positions, live.t, sink_k, scale, pdl=self.pdl)
@@ -129,7 +137,8 @@ class KernelOps:
     def moe(self, x, weights, ids, m: MoeWeights, live: Live, out_dtype, xq=None, out=None
             ) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
-                             out_dtype=out_dtype, quantized=xq, out=out, pdl=self.pdl)
+                             out_dtype=out_dtype, quantized=xq, out=out,
+                             scratch=self.moe_scratch, pdl=self.pdl)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t,

@@ -118,16 +118,16 @@ class TwinOps:
         return _padded(y, x.shape[0], self.dev)
 
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
-                num_kv_heads, eps):
+                num_kv_heads, eps, cache=None):
         outs = [t_qk.qk_rope_ref(parts[:, r : r + 1], q_norm, k_norm, positions[r : r + 1],
                                         table, num_q_heads=num_q_heads,
                                         num_kv_heads=num_kv_heads, eps=eps)
                 for r in range(live.n)]
         rows = parts.shape[1]
-        return tuple(_padded(torch.cat([o[i] for o in outs]), rows, self.dev) for i in range(3))
-
-    def write_kv(self, cache, k, v, positions, live: Live) -> None:
-        t_kv.write_ref(cache, k, v, positions, live.n)
+        q, k, v = (_padded(torch.cat([o[i] for o in outs]), rows, self.dev) for i in range(3))
+        if cache is not None:
+            t_kv.write_ref(cache, k, v, positions, live.n)
+        return q, k, v
 
     def rollback(self, cache, keep, written) -> None:
         keep, written = int(keep), int(written)  # device scalars on the CPU: free reads
@@ -135,6 +135,12 @@ class TwinOps:
             raise ValueError(f"rollback: {written} − {keep} positions outside "
                              f"[0, {ROLLBACK_ROWS}]")
         t_kv.rollback_ref(cache, keep, written)
+
+    def rollback_layers(self, caches, keep, written) -> None:
+        """self.rollback per cache (rollback_layers_ref's loop): a stand-in that replaces
+        rollback reaches every layer."""
+        for cache in caches:
+            self.rollback(cache, keep, written)
 
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
         out = torch.full(q.shape, NAN, dtype=q.dtype, device=self.dev)

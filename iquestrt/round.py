@@ -240,8 +240,7 @@ class RoundProgram:
         n_em = (a + 1) * go  # tokens this round emits
         keep = m + n_em  # = m + a + 1, or m when nothing ran
         written = m + n_t
-        for layer in caches.target:
-            ops.rollback(layer, keep, written)
+        ops.rollback_layers(caches.target, keep, written)
         keep_d = torch.minimum(self.e.cfg.draft.settled_draft_next(m, n_em, ran=go), nxt)
         ops.rollback(caches.draft, keep_d, nxt)
         st.draft_next.copy_(torch.where(live, keep_d, st.draft_next))

@@ -35,10 +35,18 @@ Why rollback after a rejected write is then safe:
 Rows written in one call must map to distinct slots (R ≤ C); a long prefill writes only its
 last C positions into a ring.
 
-Dimension letters: C slots, R rows (kernel width), Hkv KV heads, D head dim.
+Writers: `write_kv` here, and kernels/qk_rope.py `qk_rope(cache=…)`, which stores the rows it
+makes in the same launch (the runtime's path) with the same slots, labels and masking.
+Rollback: `rollback` for one cache, `rollback_layers` for every target layer in one launch
+(the same positions relabelled in each, through a device table of the layers' label addresses).
+
+Dimension letters: C slots, R rows (kernel width), Hkv KV heads, D head dim, L layers.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,7 +57,8 @@ from kernels.twin import twin
 from reference.kv_layout import EMPTY, KVLayout, LayerKV
 from reference.twins import kv_cache as _twins
 
-__all__ = ["EMPTY", "KVLayout", "LayerKV", "write_kv", "rollback"]
+__all__ = ["EMPTY", "KVLayout", "LayerKV", "LayerTable", "check_cache", "rollback",
+           "rollback_layers", "write_kv"]
 
 
 @triton.jit
@@ -98,6 +107,26 @@ def _rollback_kernel(
     tl.store(label_ptr + slot, tl.full([BLOCK], EMPTY_LABEL, tl.int32), mask=m)
 
 
+@triton.jit
+def _rollback_layers_kernel(
+    labels_ptr, cap_ptr, ring_ptr,  # per layer [L]: slot_pos address int64, C int32, ring int32
+    keep_ptr, written_ptr,
+    BLOCK: tl.constexpr, EMPTY_LABEL: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program l: _rollback_kernel on layer l's labels."""
+    pdl_enter(PDL)
+    layer = tl.program_id(0)
+    label_ptr = tl.load(labels_ptr + layer).to(tl.pointer_type(tl.int32), bitcast=True)
+    c = tl.load(cap_ptr + layer)
+    ring = tl.load(ring_ptr + layer) != 0
+    keep = tl.load(keep_ptr)
+    written = tl.load(written_ptr)
+    p = keep + tl.arange(0, BLOCK)  # positions keep … written−1 (≤ BLOCK of them)
+    slot = tl.where(ring, p % c, p)
+    m = (p < written) & (p >= 0) & (slot < c)
+    tl.store(label_ptr + slot, tl.full([BLOCK], EMPTY_LABEL, tl.int32), mask=m)
+
+
 def _device_scalar(x, name: str, device) -> torch.Tensor:
     if isinstance(x, torch.Tensor):
         if x.dtype != torch.int32 or x.numel() != 1 or x.device != device:
@@ -109,7 +138,12 @@ def _device_scalar(x, name: str, device) -> torch.Tensor:
     return torch.tensor([int(x)], dtype=torch.int32, device=device)
 
 
-def _check_cache(cache: LayerKV, where: str) -> None:
+def check_cache(cache: LayerKV, where: str) -> None:
+    """ValueError naming the tensor unless cache's K, V [C, Hkv, D] (contiguous last dim, one
+    dtype) and slot_pos [C] int32 (unit stride) fit its layout."""
+    if not isinstance(cache, LayerKV):
+        raise ValueError(f"{where}: cache must be a reference.kv_layout.LayerKV, got "
+                         f"{type(cache).__name__}")
     lay = cache.layout
     shape = (lay.capacity, lay.kv_heads, lay.head_dim)
     for name, t in (("k", cache.k), ("v", cache.v)):
@@ -120,10 +154,12 @@ def _check_cache(cache: LayerKV, where: str) -> None:
             )
     if cache.k.dtype != cache.v.dtype:
         raise ValueError(f"{where}: cache k/v dtypes differ ({cache.k.dtype}, {cache.v.dtype})")
-    if cache.slot_pos.dtype != torch.int32 or tuple(cache.slot_pos.shape) != (lay.capacity,):
+    labels = cache.slot_pos
+    if (labels.dtype != torch.int32 or tuple(labels.shape) != (lay.capacity,)
+            or labels.stride(0) != 1):
         raise ValueError(
-            f"{where}: cache.slot_pos must be int32 [{lay.capacity}], got "
-            f"{cache.slot_pos.dtype} {tuple(cache.slot_pos.shape)}"
+            f"{where}: cache.slot_pos must be int32 [{lay.capacity}] with unit stride, got "
+            f"{labels.dtype} {tuple(labels.shape)} strides {labels.stride()}"
         )
 
 
@@ -140,7 +176,7 @@ def write_kv(
     """Store rows 0 … n_live−1 at slot(position) with their labels; padding rows untouched.
     pdl: programmatic dependent launch (kernels/launch.py)."""
     where = "write_kv"
-    _check_cache(cache, where)
+    check_cache(cache, where)
     lay, dev = cache.layout, cache.k.device
     r = k.shape[0]
     for name, t in (("k", k), ("v", v)):
@@ -175,6 +211,26 @@ def write_kv(
     )
 
 
+def _bounds(keep_until_position, written_until_position, max_rows: int, capacity: int, dev,
+            where: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host checks of a rollback (max_rows in [1, capacity]; with host ints, at most
+    max_rows positions) → keep, written as 1-element int32 tensors on dev."""
+    if max_rows < 1 or max_rows > capacity:
+        raise ValueError(
+            f"{where}: max_rows must be in [1, capacity={capacity}], got {max_rows}"
+        )
+    bounds = (keep_until_position, written_until_position)
+    if not any(isinstance(x, torch.Tensor) for x in bounds):
+        keep, written = (int(x) for x in bounds)
+        if not 0 <= written - keep <= max_rows:
+            raise ValueError(
+                f"{where}: written_until_position − keep_until_position must be in "
+                f"[0, max_rows={max_rows}], got {written} − {keep}"
+            )
+    return (_device_scalar(keep_until_position, "keep_until_position", dev),
+            _device_scalar(written_until_position, "written_until_position", dev))
+
+
 @twin(_twins.rollback_ref)
 def rollback(
     cache: LayerKV, keep_until_position, written_until_position, max_rows: int = 8, *,
@@ -185,24 +241,78 @@ def rollback(
     ints; at most max_rows positions are rolled back (the kernel width). pdl: programmatic
     dependent launch (kernels/launch.py)."""
     where = "rollback"
-    _check_cache(cache, where)
-    dev = cache.k.device
-    if max_rows < 1 or max_rows > cache.layout.capacity:
-        raise ValueError(
-            f"{where}: max_rows must be in [1, capacity={cache.layout.capacity}], got {max_rows}"
-        )
-    bounds = (keep_until_position, written_until_position)
-    if not any(isinstance(x, torch.Tensor) for x in bounds):
-        keep, written = (int(x) for x in bounds)
-        if not 0 <= written - keep <= max_rows:
-            raise ValueError(
-                f"{where}: written_until_position − keep_until_position must be in "
-                f"[0, max_rows={max_rows}], got {written} − {keep}"
-            )
-    keep_t = _device_scalar(keep_until_position, "keep_until_position", dev)
-    written_t = _device_scalar(written_until_position, "written_until_position", dev)
+    check_cache(cache, where)
+    keep_t, written_t = _bounds(keep_until_position, written_until_position, max_rows,
+                                cache.layout.capacity, cache.k.device, where)
     _rollback_kernel[(1,)](
         cache.slot_pos, keep_t, written_t, cache.layout.capacity,
         RING=cache.layout.ring, BLOCK=triton.next_power_of_2(max_rows), EMPTY_LABEL=EMPTY,
+        num_warps=1, **launch_opts(pdl),
+    )
+
+
+@dataclass(frozen=True)
+class LayerTable:
+    """What _rollback_layers_kernel reads of L caches, on their device. The addresses never
+    change for the caches' lifetime, so the table is built once per list of caches and a
+    captured CUDA graph replays it like any other argument."""
+
+    labels: torch.Tensor  # [L] int64: caches[l].slot_pos.data_ptr()
+    capacity: torch.Tensor  # [L] int32: caches[l].layout.capacity
+    ring: torch.Tensor  # [L] int32: 1 ring, 0 full cache
+
+    @staticmethod
+    def key(caches: Sequence[LayerKV]) -> tuple[tuple[int, int, bool], ...]:
+        """(label address, capacity, ring) per cache: everything the table holds, so equal keys
+        give equal tables."""
+        return tuple((c.slot_pos.data_ptr(), c.layout.capacity, c.layout.ring) for c in caches)
+
+    @classmethod
+    def of(cls, caches: Sequence[LayerKV]) -> LayerTable:
+        key = cls.key(caches)
+        dev = caches[0].slot_pos.device
+        return cls(torch.tensor([k[0] for k in key], dtype=torch.int64).to(dev),
+                   torch.tensor([k[1] for k in key], dtype=torch.int32).to(dev),
+                   torch.tensor([int(k[2]) for k in key], dtype=torch.int32).to(dev))
+
+
+def _check_caches(caches, where: str) -> torch.device:
+    """Every cache passes check_cache and lives on the first one's device → that device."""
+    if isinstance(caches, LayerKV) or not isinstance(caches, Sequence) or not caches:
+        raise ValueError(f"{where}: caches must be a non-empty sequence of LayerKV, got "
+                         f"{type(caches).__name__}")
+    for i, cache in enumerate(caches):
+        check_cache(cache, f"{where}: caches[{i}]")
+    dev = caches[0].k.device
+    for i, cache in enumerate(caches):
+        for name in ("k", "v", "slot_pos"):
+            if getattr(cache, name).device != dev:
+                raise ValueError(f"{where}: caches[{i}].{name} is on "
+                                 f"{getattr(cache, name).device}, caches[0] on {dev}")
+    return dev
+
+
+@twin(_twins.rollback_layers_ref)
+def rollback_layers(
+    caches: Sequence[LayerKV], keep_until_position, written_until_position, max_rows: int = 8,
+    *, tables: dict | None = None, pdl: bool = False,
+) -> None:
+    """rollback of every cache with the same bounds, in one launch (one program per cache).
+    tables: {LayerTable.key(caches): LayerTable} kept by the caller across calls: the table
+    is built on the first call for these caches and found there afterwards (None: built for
+    this call). pdl: programmatic dependent launch (kernels/launch.py)."""
+    where = "rollback_layers"
+    dev = _check_caches(caches, where)
+    keep_t, written_t = _bounds(keep_until_position, written_until_position, max_rows,
+                                min(c.layout.capacity for c in caches), dev, where)
+    key = LayerTable.key(caches)
+    table = None if tables is None else tables.get(key)
+    if table is None:
+        table = LayerTable.of(caches)
+        if tables is not None:
+            tables[key] = table
+    _rollback_layers_kernel[(len(caches),)](
+        table.labels, table.capacity, table.ring, keep_t, written_t,
+        BLOCK=triton.next_power_of_2(max_rows), EMPTY_LABEL=EMPTY,
         num_warps=1, **launch_opts(pdl),
     )

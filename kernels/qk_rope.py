@@ -1,5 +1,7 @@
 """Attention prologue on the QKV projection: per-head RMSNorm of q and k, partial NeoX RoPE, split
-into q / k / v heads. Twin: reference/twins/qk_rope.py `qk_rope_ref`.
+into q / k / v heads; with the layer's cache, the KV write of those rows in the same launch
+(the runtime's path: one launch instead of two per layer). Twin: reference/twins/qk_rope.py
+`qk_rope_ref`.
 
 Dimension letters: R rows in the buffer, n live rows (device int32 [1]), S split-K partials,
 Hq / Hkv query / KV heads, D head dim, W = (Hq + 2·Hkv)·D, P table positions, rot rotary dims.
@@ -34,9 +36,11 @@ import triton.language as tl
 
 from kernels.checks import check_tensor, live_count
 from kernels.fp8 import bf16_rne
+from kernels.kv_cache import check_cache
 from kernels.launch import launch_opts, pdl_enter
 from kernels.twin import twin
 from reference import ops
+from reference.kv_layout import LayerKV
 from reference.twins import qk_rope as _twins
 
 
@@ -84,11 +88,14 @@ def _load_rounded(base, cols, mask, stride_s, stride_c, S: tl.constexpr):
 @triton.jit
 def _qk_rope_kernel(
     qkv_ptr, qw_ptr, kw_ptr, pos_ptr, tab_ptr, n_live_ptr, q_ptr, k_ptr, v_ptr,
-    R, P, eps,
+    ck_ptr, cv_ptr, label_ptr,  # WRITE_KV: the layer's cache K, V [C, Hkv, D], slot_pos [C]
+    R, P, C, eps,
     stride_s, stride_r, stride_c, stride_tp,
     stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    s_cc, s_ch, s_vc, s_vch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
-    S: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     half: tl.constexpr = ROT // 2
@@ -98,11 +105,23 @@ def _qk_rope_kernel(
         return
     d = tl.arange(0, BLOCK_D)  # [BD]
     dm = d < D
+    pos = tl.load(pos_ptr + row)
+    # WRITE_KV: the row's cache slot, as kernels/kv_cache.py _write_kv_kernel finds it; a
+    # negative position or one without a slot (full cache, pos ≥ C) stores nothing
+    if RING:
+        slot = pos % C
+    else:
+        slot = pos
+    stored = (pos >= 0) & (slot < C)
+    slot64 = slot.to(tl.int64)
     base = qkv_ptr + row * stride_r + head * D * stride_c
     x = _load_rounded(base, d, dm, stride_s, stride_c, S)  # [BD]
     if head >= HQ + HKV:
         tl.store(v_ptr + row * stride_vr + (head - HQ - HKV) * stride_vh + d, x.to(tl.bfloat16),
                  mask=dm)
+        if WRITE_KV:
+            tl.store(cv_ptr + slot64 * s_vc + (head - HQ - HKV) * s_vch + d, x.to(tl.bfloat16),
+                     mask=dm & stored)
     else:
         is_q = head < HQ
         # NeoX rotate-half partner of dim d: d ± rot/2 inside the rotary part, itself outside
@@ -120,7 +139,6 @@ def _qk_rope_kernel(
             r = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
             x = bf16_rne(x * r * w).to(tl.float32)
             xp = bf16_rne(xp * r * wp).to(tl.float32)
-        pos = tl.load(pos_ptr + row)
         ok = (pos >= 0) & (pos < P)
         rm = d < ROT
         j = tl.where(d < half, d, d - half)
@@ -133,9 +151,35 @@ def _qk_rope_kernel(
             tl.store(q_ptr + row * stride_qr + head * stride_qh + d, y, mask=dm)
         else:
             tl.store(k_ptr + row * stride_kr + (head - HQ) * stride_kh + d, y, mask=dm)
+            if WRITE_KV:
+                tl.store(ck_ptr + slot64 * s_cc + (head - HQ) * s_ch + d, y, mask=dm & stored)
+                if head == HQ:  # one label per row: the first k head's program writes it
+                    tl.store(label_ptr + slot64, pos, mask=stored)
 
 
 # --- wrapper -----------------------------------------------------------------------------------
+
+
+def _check_kv_cache(cache: LayerKV, r: int, kv_heads: int, d: int, positions, device) -> None:
+    """The checks kernels.kv_cache.write_kv makes before storing k, v [R, Hkv, D] bf16 at
+    positions [R] int32 into cache; ValueError naming the argument."""
+    check_cache(cache, "qk_rope")
+    lay = cache.layout
+    if (lay.kv_heads, lay.head_dim) != (kv_heads, d):
+        raise ValueError(f"cache.layout: qk_rope stores k, v [R, {kv_heads}, {d}], the cache "
+                         f"holds [C, {lay.kv_heads}, {lay.head_dim}]")
+    for name, t in (("cache.k", cache.k), ("cache.v", cache.v), ("cache.slot_pos",
+                                                                  cache.slot_pos)):
+        if t.device != device:
+            raise ValueError(f"{name}: expected device {device}, got {t.device}")
+    if cache.k.dtype != torch.bfloat16:
+        raise ValueError(f"cache.k: expected dtype torch.bfloat16 (k, v are bf16), got "
+                         f"{cache.k.dtype}")
+    if positions.dtype != torch.int32:
+        raise ValueError(f"positions: expected dtype torch.int32 with a cache (its labels), got "
+                         f"{positions.dtype}")
+    if r > lay.capacity:
+        raise ValueError(f"cache: {r} rows exceed its {lay.capacity} slots")
 
 
 def _head_out(name, t, r, heads, d, device):
@@ -163,9 +207,13 @@ def qk_rope(
     k_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
     v_out: torch.Tensor | None = None,  # [R, Hkv, D] bf16
     config: QkRopeLaunch | None = None,
+    cache: LayerKV | None = None,  # K, V [C, Hkv, D] bf16, slot_pos [C]; positions int32
     pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """→ q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, D] bf16; rows ≥ n untouched.
+    """→ q [R, Hq, D], k [R, Hkv, D], v [R, Hkv, D] bf16; rows ≥ n untouched. With a cache the
+    same launch stores the live rows' k and v in it as kernels.kv_cache.write_kv(cache, k, v,
+    positions, n) does: at slot(position) with the position as label (module docstring of
+    kernels/kv_cache.py), nothing for a negative position or one without a slot.
     pdl: programmatic dependent launch (kernels/launch.py)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() not in (2, 3):
         raise ValueError("qkv: expected [R, W] bf16 or [S, R, W] fp32 partials, got "
@@ -203,6 +251,8 @@ def qk_rope(
                          f"{table.cos_sin.stride()}")
     if not eps > 0:
         raise ValueError(f"eps: expected > 0, got {eps}")
+    if cache is not None:
+        _check_kv_cache(cache, r, num_kv_heads, d, positions, dev)
     n = live_count(n_live, r, dev)
     q = _head_out("q_out", q_out, r, num_q_heads, d, dev)
     k = _head_out("k_out", k_out, r, num_kv_heads, d, dev)
@@ -212,13 +262,16 @@ def qk_rope(
     cfg = config or QkRopeLaunch()
     qw = q_norm_weight if q_norm_weight is not None else table.cos_sin  # unread when NORM=False
     kw = k_norm_weight if k_norm_weight is not None else table.cos_sin
+    ck, cv, labels = (k, v, positions) if cache is None else (cache.k, cache.v, cache.slot_pos)
     _qk_rope_kernel[(r, heads)](
-        qkv, qw, kw, positions, table.cos_sin, n, q, k, v,
-        r, table.positions, float(eps),
+        qkv, qw, kw, positions, table.cos_sin, n, q, k, v, ck, cv, labels,  # unread: no cache
+        r, table.positions, 1 if cache is None else cache.layout.capacity, float(eps),
         qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), table.cos_sin.stride(0),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s,
-        NORM=q_norm_weight is not None, BLOCK_D=triton.next_power_of_2(d),
+        ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
+        HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s, NORM=q_norm_weight is not None,
+        WRITE_KV=cache is not None, RING=cache is not None and cache.layout.ring,
+        BLOCK_D=triton.next_power_of_2(d),
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return q, k, v

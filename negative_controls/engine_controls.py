@@ -39,6 +39,7 @@ from iquestrt.round import RoundProgram
 from negative_controls.control import Control, gated, patched
 from qualification import acceptance_gate, engine_cache_gate, width_gate
 from reference.config import DraftConfig
+from reference.twins.kv_cache import write_ref
 
 
 @contextmanager
@@ -98,9 +99,12 @@ def stale_rope_position_after_rollback():
         finally:
             shift[0] = 0
 
-    def qk_rope(self, parts, q_norm, k_norm, positions, *rest, **kw):
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, live, *, cache=None, **kw):
         stale = torch.where(positions >= 0, positions + shift[0], positions)
-        return real_rope(self, parts, q_norm, k_norm, stale, *rest, **kw)
+        q, k, v = real_rope(self, parts, q_norm, k_norm, stale, table, live, **kw)
+        if cache is not None:  # the write at the right slots, of K rows rotated at stale ones
+            write_ref(cache, k, v, positions, live.n)
+        return q, k, v
 
     with patched(RoundProgram, __call__=call), patched(TwinOps, qk_rope=qk_rope):
         yield

@@ -176,26 +176,45 @@ class Lockstep:
         return got
 
     # --- attention ---------------------------------------------------------------------------
-    def qk_rope(self, parts, *a, **kw):
-        got, want = self.k.qk_rope(parts, *a, **kw), self.t.qk_rope(parts, *a, **kw)
+    def qk_rope(self, parts, *a, cache=None, **kw):
+        """With a cache the kernel writes it, the twin a clone of it taken before: q, k, v and
+        the cache's K, V and labels compared."""
+        twin_cache = None
+        if cache is not None:
+            self._part(cache)
+            twin_cache = cache.clone()
+        got = self.k.qk_rope(parts, *a, cache=cache, **kw)
+        want = self.t.qk_rope(parts, *a, cache=twin_cache, **kw)
         n = a[4].n
         for g, w in zip(got, want, strict=True):
             self._cmp(g[:n], w[:n], "kernels.qk_rope", "bf16")
+        if cache is not None:
+            self._same_cache(cache, twin_cache)
         return got
+
+    def _same_cache(self, cache, twin_cache) -> None:
+        for f in ("k", "v", "slot_pos"):
+            self._cmp(getattr(cache, f), getattr(twin_cache, f), "kernels.kv_write", "bf16/int32")
 
     def _mutating(self, name, cache, *a):
         self._part(cache)
         twin_cache = cache.clone()
         getattr(self.k, name)(cache, *a)
         getattr(self.t, name)(twin_cache, *a)
-        for f in ("k", "v", "slot_pos"):
-            self._cmp(getattr(cache, f), getattr(twin_cache, f), "kernels.kv_write", "bf16/int32")
-
-    def write_kv(self, cache, k, v, positions, live):
-        self._mutating("write_kv", cache, k, v, positions, live)
+        self._same_cache(cache, twin_cache)
 
     def rollback(self, cache, keep, written):
         self._mutating("rollback", cache, keep, written)
+
+    def rollback_layers(self, caches, keep, written):
+        """One kernel launch over every cache; the twin per cache on clones, each compared
+        under its layer's name."""
+        twins = [c.clone() for c in caches]
+        self.k.rollback_layers(caches, keep, written)
+        for cache, twin_cache in zip(caches, twins, strict=True):
+            self._part(cache)
+            self.t.rollback(twin_cache, keep, written)
+            self._same_cache(cache, twin_cache)
 
     def attention_q(self, q, cache, positions, live, sink_k, scale):
         self._part(cache)

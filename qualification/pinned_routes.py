@@ -104,9 +104,9 @@ class ForcedKV(KVCache):
 
 
 class KVRecorder:
-    """Stands in front of an engine's ops and keeps the live rows of every KV write;
-    `kv(caches)` → {layer: (K, V)} [T, Hkv, D] on the CPU (row = position) for the target
-    caches of a prefill (Engine.prefill_logits returns them)."""
+    """Stands in front of an engine's ops and keeps the live rows of every KV write (made by
+    qk_rope with the layer's cache); `kv(caches)` → {layer: (K, V)} [T, Hkv, D] on the CPU
+    (row = position) for the target caches of a prefill (Engine.prefill_logits returns them)."""
 
     def __init__(self, inner):
         self.inner = inner
@@ -115,12 +115,17 @@ class KVRecorder:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def write_kv(self, cache, k, v, positions, live):
-        n = live.n
-        rows = self.rows.setdefault(id(cache), {})
-        for p, kr, vr in zip(positions[:n].tolist(), k[:n].cpu(), v[:n].cpu(), strict=True):
-            rows[p] = (kr, vr)
-        return self.inner.write_kv(cache, k, v, positions, live)
+    def qk_rope(self, parts, q_norm, k_norm, positions, table, live, *, num_q_heads,
+                num_kv_heads, eps, cache=None):
+        q, k, v = self.inner.qk_rope(parts, q_norm, k_norm, positions, table, live,
+                                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                     eps=eps, cache=cache)
+        if cache is not None:  # k, v [R, Hkv, D]: the rows just written
+            n = live.n
+            rows = self.rows.setdefault(id(cache), {})
+            for p, kr, vr in zip(positions[:n].tolist(), k[:n].cpu(), v[:n].cpu(), strict=True):
+                rows[p] = (kr, vr)
+        return q, k, v
 
     def kv(self, caches) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         out = {}

@@ -184,7 +184,8 @@ class RankKernelOps(RankOpsMixin, KernelOps):
     def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
                   xq=None) -> None:
         k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t, out=out,
-                      out_dtype=torch.float32, quantized=xq, pdl=self.pdl)
+                      out_dtype=torch.float32, quantized=xq, scratch=self.moe_scratch,
+                      pdl=self.pdl)
 
 
 class RankTwinOps(RankOpsMixin, TwinOps):

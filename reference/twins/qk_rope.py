@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from reference import ops
+from reference.twins.kv_cache import write_ref
 from reference.twins.linear import _n_live, reduce_splits_ref
 
 
@@ -26,9 +27,10 @@ def head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 
 def qk_rope_ref(
     qkv, q_norm_weight, k_norm_weight, positions, table, n_live=None, *,
-    num_q_heads: int, num_kv_heads: int, eps: float,
+    num_q_heads: int, num_kv_heads: int, eps: float, cache=None,
 ):
-    """Twin of kernels.qk_rope.qk_rope → (q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) bf16.
+    """Twin of kernels.qk_rope.qk_rope → (q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) bf16;
+    with a cache (reference.kv_layout.LayerKV) then write_ref(cache, k, v, positions, n).
 
     qkv [R, W] bf16 or [S, R, W] FP32 partials (reduced as reduce_splits_ref, rounded to bf16).
     RoPE is ops.rope itself (cos / sin of position + table.offset recomputed from table.theta,
@@ -49,4 +51,7 @@ def qk_rope_ref(
     q = ops.rope(q, pos.clamp(min=0) + table.offset, table.rotary_dim, table.theta)
     k = ops.rope(k, pos.clamp(min=0) + table.offset, table.rotary_dim, table.theta)
     q[bad], k[bad] = float("nan"), float("nan")
-    return q, k, v.clone()
+    v = v.clone()
+    if cache is not None:
+        write_ref(cache, k, v, positions, n)
+    return q, k, v

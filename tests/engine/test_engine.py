@@ -216,9 +216,14 @@ def test_skipped_rollback_is_caught(corr, monkeypatch):
     tokens rejected none on the H200 host's torch 2.11 CPU:
     reports/benchmarks/h200-2026-12-01/session10/skipped_rollback.log; 96 reject ≥ 20 here)."""
     eng = _engine(corr)
-    monkeypatch.setattr(eng.ops, "rollback", lambda cache, keep, written: None)
+    skipped = []  # the ops the round called and the mutant skipped
+    monkeypatch.setattr(eng.ops, "rollback",
+                        lambda cache, keep, written: skipped.append("rollback"))
+    monkeypatch.setattr(eng.ops, "rollback_layers",
+                        lambda caches, keep, written: skipped.append("rollback_layers"))
     req = GenerationRequest(PROMPT, 96, SAMPLING, 5)
     ours, ref = _engine_snapshots(eng, req), _reference_snapshots(_matched(corr), req)
+    assert {"rollback", "rollback_layers"} <= set(skipped), "the mutant no longer reaches the round"
     rejected = sum(len(r.drafts) - r.accepted for r in eng.session.result.rounds)
     assert rejected > 0, "no draft was rejected: the skipped rollback had nothing to leave"
     problems = [p for c, r in zip(ours, ref, strict=True) for p in _problems(c, r)]

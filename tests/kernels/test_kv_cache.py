@@ -1,7 +1,8 @@
 """KV write / rollback kernels vs their twins (exact), and rolled-back caches vs caches that
-never saw the rejected rows, over sequences that straddle every wrap point.
+never saw the rejected rows, over sequences that straddle every wrap point; the one-launch
+rollback of several layers (rollback_layers) vs rollback_ref per layer.
 
-Dimension letters: C slots, R rows (kernel width 8), Hkv KV heads, D head dim.
+Dimension letters: C slots, R rows (kernel width 8), Hkv KV heads, D head dim, L layers.
 """
 
 from __future__ import annotations
@@ -13,9 +14,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.kv_cache import EMPTY, KVLayout, LayerKV, rollback, write_kv
+from kernels.kv_cache import (
+    EMPTY,
+    KVLayout,
+    LayerKV,
+    LayerTable,
+    rollback,
+    rollback_layers,
+    write_kv,
+)
 from qualification.tolerances import check
-from reference.twins.kv_cache import rollback_ref, write_ref
+from reference.twins.kv_cache import rollback_layers_ref, rollback_ref, write_ref
+from tests.kernels.sm90 import compile_sm90
 
 WIDTH = 8  # verification kernel width: rows written before reading
 HKV, D = 2, 16
@@ -197,6 +207,164 @@ def test_fused_qkv_views_and_bad_inputs(device):
         rollback(cache, 10, 30)
     with pytest.raises(ValueError, match="pad must be >= 0"):
         KVLayout.make_ring(16, -1, HKV, D)
+
+
+# --- rollback_layers: every layer's rollback in one launch ---------------------------------
+
+# a target's mix: rings (one the draft's, starting at 1) and full caches of two sizes
+MIX = ("ring16+7", "full96", "draft8+7", "ring16+7", "full96")
+
+
+def _mixed_caches(device, seed: int = 11, n: int = 60) -> list[LayerKV]:
+    """Caches of MIX holding positions up to n − 1 (the rings wrapped twice or more)."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [LayerKV.empty(LAYOUTS[name], device) for name in MIX]
+    for p0 in range(0, n, WIDTH):
+        k, v = _rows(gen, device)
+        pos = torch.arange(p0, p0 + WIDTH, dtype=torch.int32, device=device)
+        for c in caches:
+            write_ref(c, k, v, pos, min(WIDTH, n - p0))
+    caches.append(LayerKV.empty(KVLayout.make_full(48, HKV, D), device))  # nothing written yet
+    return caches
+
+
+# (keep, written): 44 … 51 crosses the wrap of both rings (23 slots: at 46, 15 slots: at 45);
+# 52 … 59 lies past the empty full cache's 48 slots
+BOUNDS = ((52, 60), (44, 52), (58, 60), (57, 57), (0, 8), (40, 45))
+
+
+@pytest.mark.parametrize("on_device", [True, False], ids=["device-scalars", "host-ints"])
+def test_rollback_layers_equals_rollback_ref_per_layer(device, on_device):
+    tables: dict = {}
+    caches = _mixed_caches(device)
+    start = [c.slot_pos.clone() for c in caches]
+    for keep, written in BOUNDS:
+        for c, labels in zip(caches, start, strict=True):  # in place: the same label addresses
+            c.slot_pos.copy_(labels)
+        twins = [c.clone() for c in caches]
+        bounds = (_i32(keep, device), _i32(written, device)) if on_device else (keep, written)
+        rollback_layers(caches, *bounds, tables=tables)
+        for c in twins:
+            rollback_ref(c, keep, written)
+        for i, (c, t) in enumerate(zip(caches, twins, strict=True)):
+            _assert_same(c, t)
+            if written > keep and i < len(MIX):  # the empty full cache has nothing to relabel
+                assert not torch.equal(c.slot_pos, start[i]), f"layer {i}: nothing relabelled"
+    assert len(tables) == 1, "the table of one list of caches is built once"
+    again = _mixed_caches(device)
+    assert LayerTable.key(again) != next(iter(tables)), "other caches, another key"
+
+
+def test_rollback_layers_twin_is_the_loop(device):
+    caches = _mixed_caches(device)
+    twins, loop = [c.clone() for c in caches], [c.clone() for c in caches]
+    rollback_layers_ref(twins, 44, 52)
+    for c in loop:
+        rollback_ref(c, 44, 52)
+    for a, b in zip(twins, loop, strict=True):
+        _assert_same(a, b)
+    assert rollback_layers.twin is rollback_layers_ref
+
+
+@pytest.mark.parametrize("plant", ["capacity - 1", "ring flag cleared", "a layer's address twice"])
+def test_rollback_layers_planted_table_is_caught(device, plant):
+    """A table that lies about a layer (its capacity, its ring flag, whose labels) relabels
+    the wrong slots: the comparison with rollback_ref per layer fails. (Every plant stays
+    inside the label tensors: a lie that reached past one would write outside it.)"""
+    caches = _mixed_caches(device)
+    twins = [c.clone() for c in caches]
+    good = LayerTable.of(caches)
+    if plant == "capacity - 1":
+        bad = dataclasses.replace(good, capacity=good.capacity - 1)
+    elif plant == "ring flag cleared":
+        bad = dataclasses.replace(good, ring=torch.zeros_like(good.ring))
+    else:  # the draft ring's entry (15 slots) points at layer 0's labels (23 slots)
+        bad = dataclasses.replace(good, labels=good.labels[[0, 1, 0, 3, 4, 5]])
+    rollback_layers(caches, 44, 52, tables={LayerTable.key(caches): bad})
+    for c in twins:
+        rollback_ref(c, 44, 52)
+    with pytest.raises(AssertionError, match="not bit-exact"):
+        for c, t in zip(caches, twins, strict=True):
+            _assert_same(c, t)
+
+
+def test_rollback_layers_refuses_bad_arguments(device):
+    caches = _mixed_caches(device)
+    with pytest.raises(ValueError, match="caches must be a non-empty sequence of LayerKV"):
+        rollback_layers([], 0, 1)
+    with pytest.raises(ValueError, match="caches must be a non-empty sequence of LayerKV"):
+        rollback_layers(caches[0], 0, 1)
+    bad = dataclasses.replace(caches[1], slot_pos=caches[1].slot_pos.long())
+    with pytest.raises(ValueError, match=r"caches\[1\]: cache.slot_pos must be int32"):
+        rollback_layers([caches[0], bad], 0, 1)
+    with pytest.raises(ValueError, match=r"caches\[0\]: cache must be a reference"):
+        rollback_layers([caches[0].slot_pos], 0, 1)
+    small = LayerKV.empty(KVLayout.make_full(4, HKV, D), device)
+    with pytest.raises(ValueError, match=r"max_rows must be in \[1, capacity=4\]"):
+        rollback_layers([caches[0], small], 0, 1)
+    with pytest.raises(ValueError, match="written_until_position − keep_until_position"):
+        rollback_layers(caches, 10, 30)
+    with pytest.raises(ValueError, match="keep_until_position must be a 1-element int32"):
+        rollback_layers(caches, torch.tensor([10], device=device), _i32(12, device))
+    labels = [c.slot_pos.clone() for c in caches]
+    assert all(torch.equal(c.slot_pos, t) for c, t in zip(caches, labels, strict=True))
+
+
+def test_kernel_ops_roll_back_every_layer_in_one_launch_with_one_table(device, monkeypatch):
+    from iquestrt.ops import KernelOps, TwinOps
+    from kernels import kv_cache as KV
+
+    ops = KernelOps(device, 1)
+    launches = []
+    real = KV._rollback_layers_kernel
+    monkeypatch.setattr(KV, "_rollback_layers_kernel", _Grids(real, launches))
+    caches, twins = _mixed_caches(device), _mixed_caches(device)
+    for keep, written in BOUNDS[:3]:
+        ops.rollback_layers(caches, _i32(keep, device), _i32(written, device))
+        TwinOps(device, 1).rollback_layers(twins, keep, written)
+    for c, t in zip(caches, twins, strict=True):
+        _assert_same(c, t)
+    assert launches == [(len(caches),)] * 3
+    assert len(ops._layer_tables) == 1
+
+
+class _Grids:
+    """A kernel launched through [grid](…): records each grid, then launches."""
+
+    def __init__(self, kernel, grids: list):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+_SM90_ROLLBACK_LAYERS = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels import kv_cache as KV
+
+sig = {"labels_ptr": "*i64", "cap_ptr": "*i32", "ring_ptr": "*i32", "keep_ptr": "*i32",
+       "written_ptr": "*i32", "BLOCK": "constexpr", "EMPTY_LABEL": "constexpr",
+       "PDL": "constexpr"}
+k = triton.compile(ASTSource(KV._rollback_layers_kernel, sig,
+                             constexprs={"BLOCK": 8, "EMPTY_LABEL": -1, "PDL": False}),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=1))
+ptx = k.asm["ptx"]
+print(json.dumps({"ld_u64": ptx.count("ld.global.u64") + ptx.count("ld.global.b64"),
+                  "st": ptx.count("st.global")}))
+"""
+
+
+@pytest.mark.slow
+def test_rollback_layers_compiles_for_sm90():
+    """Without a GPU: the int64 → pointer cast of the label table compiles for sm_90 (the
+    interpreter runs it above): one 64-bit address load, stores through it."""
+    pytest.importorskip("triton.backends.nvidia")
+    got = compile_sm90(_SM90_ROLLBACK_LAYERS)
+    assert got["ld_u64"] >= 1 and got["st"] >= 1, got
 
 
 @pytest.mark.gpu

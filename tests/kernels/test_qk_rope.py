@@ -1,6 +1,8 @@
 """kernels/qk_rope.py against its twin (reference/twins/qk_rope.py qk_rope_ref): bit-exact for bf16
 qkv and for FP32 split-K partials, and close to the literal reference/model.py `_attn` path
-(ops.rms_norm + ops.rope) — rows "kernels.qk_rope*" of qualification/tolerances.py.
+(ops.rms_norm + ops.rope) — rows "kernels.qk_rope*" of qualification/tolerances.py. With a cache,
+the fused KV write equals qk_rope then kernels.kv_cache.write_kv (and the twin's write_ref) bit
+for bit.
 
 Inputs: Gaussian qkv with per-head magnitudes 2^±8 (bf16, or FP32 partials), norm weights in
 [0.5, 1.5), positions up to the table's end (524287 for the per-rank case). Outputs are poisoned
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from iquestrt.capture import graph_capture
+from kernels.kv_cache import KVLayout, LayerKV, write_kv
 from kernels.linear import LinearLaunch, linear_fp8, linear_fp8_partials
 from kernels.qk_rope import RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
@@ -339,6 +342,127 @@ def test_wrapper_errors(device):
         rope_table(8, 7, 1e4, device)
 
 
+# --- the KV write fused into qk_rope (cache=…) ----------------------------------------------
+
+FUSED = Case("fused", 4, 2, 32, 8, 1e4, 4096, 8, 8)
+KV_LAYOUTS = {
+    "ring16+7": KVLayout.make_ring(16, 7, 2, 32),
+    "draft8+7": KVLayout.make_ring(8, 7, 2, 32, start=1),
+    "full96": KVLayout.make_full(96, 2, 32),
+}
+# (layout, positions of the 8 rows, live rows): −7 marks padding rows (never read), −1 in a
+# live row stores nothing, a full cache stores nothing at positions ≥ its capacity
+WRITES = {
+    "ring-wraps-6of8": ("ring16+7", [20, 21, 22, 23, 24, 25, -7, -7], 6),
+    "ring-live-minus-one": ("ring16+7", [30, -1, 32, 33, 34, 35, 36, 37], 8),
+    "draft-wraps-3of8": ("draft8+7", [14, 15, 16, -7, -7, -7, -7, -7], 3),
+    "full-5of8": ("full96", [40, 41, 42, 43, 44, -1, -1, -1], 5),
+    "full-past-capacity": ("full96", [92, 93, 94, 95, 96, 97, 98, 99], 8),
+    "none-live": ("ring16+7", [5, 6, 7, 8, 9, 10, 11, 12], 0),
+}
+
+
+def _filled_cache(layout: KVLayout, seed: int, device) -> LayerKV:
+    """Every slot holds data and a label, so a store to a wrong slot or a padding row shows."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layout.capacity, layout.kv_heads, layout.head_dim)
+    k = torch.randn(shape, generator=gen).bfloat16().to(device)
+    v = torch.randn(shape, generator=gen).bfloat16().to(device)
+    labels = torch.arange(1000, 1000 + layout.capacity, dtype=torch.int32, device=device)
+    return LayerKV(layout, k, v, labels)
+
+
+def _fused_inputs(name: str, device):
+    lay, positions, n = WRITES[name]
+    seed = 300 + sorted(WRITES).index(name)
+    inp = make_inputs(dataclasses.replace(FUSED, n_live=max(n, 1)), seed)
+    inp = dataclasses.replace(inp, pos=torch.tensor(positions, dtype=torch.int32),
+                              n=torch.tensor([n], dtype=torch.int32))
+    dev = [t.to(device) for t in (inp.qkv, inp.q_w, inp.k_w, inp.pos, inp.n)]
+    return KV_LAYOUTS[lay], inp, dev
+
+
+def _same_cache(a: LayerKV, b: LayerKV, what: str) -> None:
+    for name in ("k", "v", "slot_pos"):
+        x, y = getattr(a, name).cpu(), getattr(b, name).cpu()
+        if x.dtype == torch.bfloat16:
+            x, y = x.view(torch.int16), y.view(torch.int16)
+        assert torch.equal(x, y), f"{what}: cache.{name} differs at {int((x != y).sum())} elements"
+
+
+@pytest.mark.parametrize("name", sorted(WRITES))
+def test_fused_kv_write_equals_qk_rope_then_write_kv(name, device):
+    layout, inp, dev = _fused_inputs(name, device)
+    table = rope_table(FUSED.table_positions, FUSED.rot, FUSED.theta, device)
+    args = dict(num_q_heads=FUSED.hq, num_kv_heads=FUSED.hkv, eps=EPS)
+    fused, apart, twin_cache = (_filled_cache(layout, 7, device) for _ in range(3))
+    got = qk_rope(*dev[:4], table, dev[4], cache=fused, **args)
+    want = qk_rope(*dev[:4], table, dev[4], **args)
+    write_kv(apart, want[1], want[2], dev[3], dev[4])
+    n = int(inp.n[0])
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(bits(a[:n]), bits(b[:n]))
+    _same_cache(fused, apart, f"{name}: fused vs qk_rope + write_kv")
+    twin_out = qk_rope_ref(inp.qkv, inp.q_w, inp.k_w, inp.pos, table, inp.n, cache=twin_cache,
+                           **args)
+    _same_cache(fused, twin_cache, f"{name}: fused vs qk_rope_ref + write_ref")
+    for a, b in zip(got, twin_out, strict=True):
+        live = inp.pos[:n] >= 0  # q, k of a row at −1 are NaN on both sides
+        assert torch.equal(bits(a[:n][live]), bits(b[live]))
+    stored = [p for p in WRITES[name][1][:n] if p >= 0 and (layout.ring or p < layout.capacity)]
+    relabelled = fused.slot_pos.cpu() != _filled_cache(layout, 7, device).slot_pos.cpu()
+    assert int(relabelled.sum()) == len(stored), "not every storable live row was stored"
+
+
+def test_fused_kv_write_check_can_fail(device):
+    """Mutant: a ring written as a full cache (slot = position): the wrapped rows land past
+    the end (not stored) and the comparison with qk_rope + write_kv fails."""
+    layout, _, dev = _fused_inputs("ring-wraps-6of8", device)
+    table = rope_table(FUSED.table_positions, FUSED.rot, FUSED.theta, device)
+    args = dict(num_q_heads=FUSED.hq, num_kv_heads=FUSED.hkv, eps=EPS)
+    fused, apart = (_filled_cache(layout, 7, device) for _ in range(2))
+    as_full = dataclasses.replace(fused, layout=dataclasses.replace(layout, ring=False))
+    qk_rope(*dev[:4], table, dev[4], cache=as_full, **args)
+    _, k, v = qk_rope(*dev[:4], table, dev[4], **args)
+    write_kv(apart, k, v, dev[3], dev[4])
+    with pytest.raises(AssertionError, match="differs"):
+        _same_cache(fused, apart, "ring written as full")
+
+
+def test_fused_kv_write_refuses_bad_caches(device):
+    _, inp, dev = _fused_inputs("ring-wraps-6of8", device)
+    table = rope_table(64, 8, 1e4, device)
+    qkv, qw, kw, pos, n = dev
+    args = dict(num_q_heads=FUSED.hq, num_kv_heads=FUSED.hkv, eps=EPS)
+    good = KVLayout.make_ring(16, 7, 2, 32)
+
+    def call(cache, positions=pos):
+        qk_rope(qkv, qw, kw, positions, table, n, cache=cache, **args)
+
+    with pytest.raises(ValueError, match="cache must be a reference.kv_layout.LayerKV"):
+        call(torch.zeros(23, 2, 32, dtype=torch.bfloat16, device=device))
+    with pytest.raises(ValueError, match=r"cache.layout: qk_rope stores k, v \[R, 2, 32\]"):
+        call(LayerKV.empty(KVLayout.make_ring(16, 7, 1, 32), device))
+    with pytest.raises(ValueError, match=r"cache.layout: .* holds \[C, 2, 16\]"):
+        call(LayerKV.empty(KVLayout.make_ring(16, 7, 2, 16), device))
+    with pytest.raises(ValueError, match="cache.k: expected dtype torch.bfloat16"):
+        call(LayerKV.empty(good, device, dtype=torch.float32))
+    cache = LayerKV.empty(good, device)
+    with pytest.raises(ValueError, match="cache.slot_pos must be int32"):
+        call(dataclasses.replace(cache, slot_pos=cache.slot_pos.long()))
+    with pytest.raises(ValueError, match="cache.v must be"):
+        call(dataclasses.replace(cache, v=cache.v[:, :, :16]))
+    with pytest.raises(ValueError, match="cache.k must be .* contiguous last dim"):
+        call(dataclasses.replace(cache, k=cache.k.transpose(0, 2).contiguous().transpose(0, 2)))
+    with pytest.raises(ValueError, match="positions: expected dtype torch.int32 with a cache"):
+        call(cache, pos.long())
+    with pytest.raises(ValueError, match="cache: 8 rows exceed its 4 slots"):
+        call(LayerKV.empty(KVLayout.make_ring(4, 0, 2, 32), device))
+    labels = cache.slot_pos.clone()
+    call(cache)  # the good cache is accepted, and the refused calls wrote nothing
+    assert not torch.equal(cache.slot_pos, labels)
+
+
 def test_rows_are_in_the_table():
     assert tolerance("kernels.qk_rope", "bf16").exact
     assert not tolerance("kernels.qk_rope.vs_reference", "bf16").exact
@@ -347,9 +471,10 @@ def test_rows_are_in_the_table():
 SM90_QK_ROPE = dict(
     module="qk_rope", kernel="_qk_rope_kernel",
     sig=dict(qkv_ptr="*fp32", qw_ptr="*bf16", kw_ptr="*bf16", pos_ptr="*i32", tab_ptr="*fp32",
-             n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", eps="fp32"),
-    const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, BLOCK_D=128,
-               PDL=False),
+             n_live_ptr="*i32", q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ck_ptr="*bf16",
+             cv_ptr="*bf16", label_ptr="*i32", eps="fp32"),
+    const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, WRITE_KV=True, RING=True,
+               BLOCK_D=128, PDL=False),
     patterns=(r"fma\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
               r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64"),
     warps=1)

@@ -25,6 +25,9 @@ HELPERS = {
 SAME_VALUES = {
     "linear_fp8_partials": ("linear_fp8_ref", "the twin is one GEMM: a single partial, whose "
                             "sum is linear_fp8's value"),
+    "rollback_layers": ("rollback_ref", "the twins table rolls each cache back through its own "
+                        "rollback (rollback_layers_ref's loop), so a stand-in replacing "
+                        "rollback reaches every layer"),
 }
 
 
