@@ -26,8 +26,10 @@ from iquestrt.ops_kernels import ROLLBACK_ROWS, KernelOps
 from iquestrt.ops_twins import TwinOps
 from reference.op_types import (
     AttnTailOut,
+    DraftRecord,
     EntryNorms,
     EntrySource,
+    FaultLog,
     MoeTailOut,
     SampleOut,
     VerifyOut,
@@ -143,6 +145,18 @@ class OpTable(Protocol):
                seed: int | Tensor, first: int | Tensor, n_drafts: Live) -> VerifyOut:
         """Rejection sampling of drafts [Db] against the target's served law p (rows 0..d) and
         the draft's q (q_ids / q_probs [Db, W]): accepted count, replacement or bonus."""
+
+    # --- the round's bookkeeping -----------------------------------------------------------
+    def check_logits(self, logits: Tensor, live: Live, log: FaultLog, *, code: int,
+                     where: int) -> None:
+        """Record the fault (code, round, where, 0) in log when a live row of logits [R, V]
+        holds NaN or ±inf and no fault came first."""
+
+    def record_draft(self, out: SampleOut, one: Tensor, j: int, rec: DraftRecord,
+                     log: FaultLog, *, vocab: int, code: int) -> None:
+        """Depth j's draft from its sample out (row 0) when one [1] int32 is 1: rec's row j =
+        the served ids / probs and the token clamped into [0, vocab) (the fault (code, round, j,
+        token) when it was outside), rec.n_d += one; with one = 0 row j is −1 / 0 / 0."""
 
     # --- row parts -------------------------------------------------------------------------
     def norm_rows(self, a: Tensor, w: Tensor | None, live: Live, eps: float, *,

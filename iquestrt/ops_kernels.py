@@ -19,6 +19,7 @@ from kernels import kv_cache as k_kv
 from kernels import linear as k_linear
 from kernels import moe as k_moe
 from kernels import qk_rope as k_qk
+from kernels import round_record as k_record
 from kernels import rows as k_rows
 from kernels import sampler as k_sampler
 from kernels import tails as k_tails
@@ -29,8 +30,10 @@ from kernels.peer_partials import RingRead
 from kernels.router import RouteScratch
 from reference.op_types import (
     AttnTailOut,
+    DraftRecord,
     EntryNorms,
     EntrySource,
+    FaultLog,
     MoeTailOut,
     SampleOut,
     VerifyOut,
@@ -148,6 +151,13 @@ class KernelOps:
                n_drafts: Live) -> VerifyOut:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
                                n_drafts=n_drafts.t, pdl=self.pdl)
+
+    def check_logits(self, logits, live: Live, log: FaultLog, *, code, where) -> None:
+        k_record.check_logits(logits, live.t, log, code=code, where=where, pdl=self.pdl)
+
+    def record_draft(self, out: SampleOut, one, j, rec: DraftRecord, log: FaultLog, *, vocab,
+                     code) -> None:
+        k_record.record_draft(out, one, j, rec, log, vocab=vocab, code=code, pdl=self.pdl)
 
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):

@@ -23,8 +23,10 @@ from kernels.sampler.values import DeviceSampling
 from reference import ops as ref_ops
 from reference.op_types import (
     AttnTailOut,
+    DraftRecord,
     EntryNorms,
     EntrySource,
+    FaultLog,
     MoeTailOut,
     SampleOut,
     VerifyOut,
@@ -36,6 +38,7 @@ from reference.twins import kv_cache as t_kv
 from reference.twins import linear as t_linear
 from reference.twins import moe as t_moe
 from reference.twins import qk_rope as t_qk
+from reference.twins import round_record as t_record
 from reference.twins import rows as t_rows
 from reference.twins import sampler as t_sampler
 from reference.twins import tails as t_tails
@@ -214,6 +217,13 @@ class TwinOps:
                          torch.tensor([int(bonus)], **i32), em)
 
     # --- row parts (kernels/rows.py, kernels/draft_entry.py, kernels/eh_proj.py)
+    def check_logits(self, logits, live: Live, log: FaultLog, *, code, where) -> None:
+        t_record.check_logits_ref(logits, live.t, log, code=code, where=where)
+
+    def record_draft(self, out: SampleOut, one, j, rec: DraftRecord, log: FaultLog, *, vocab,
+                     code) -> None:
+        t_record.record_draft_ref(out, one, j, rec, log, vocab=vocab, code=code)
+
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):
         return t_rows.norm_rows_ref(a, w, live.n, eps, b=b, wb=wb, sum_dtype=sum_dtype,

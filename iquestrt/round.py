@@ -41,13 +41,8 @@ from iquestrt.state import (
     DeviceState,
 )
 from reference.depth import AdaptiveDepth, FixedDepth, init_features, push_features
+from reference.op_types import DraftRecord
 from reference.rng import Purpose
-
-
-def _finite_rows(logits: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
-    """[1] bool: some live row of logits [R, V] holds NaN/inf."""
-    bad = (~torch.isfinite(logits)).any(dim=1) & (ar < n)
-    return bad.any().reshape(1)
 
 
 def _served_features(out, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +98,9 @@ class RoundProgram:
         self.d_buf = torch.zeros(rows - 1, dtype=torch.int64, device=dev)  # [Db] drafts
         self.nxt_buf = torch.zeros(1, dtype=torch.int32, device=dev)
         self.nd_buf = torch.zeros(1, dtype=torch.int32, device=dev)
+        # the draft steps' record (ops.record_draft); n_d is nd_buf itself, zeroed by pre
+        self.rec = DraftRecord(self.q_ids, self.q_probs, self.d_buf, self.nd_buf)
+        self.row0 = torch.zeros(1, dtype=torch.int64, device=dev)  # a depth's last row: 0
         lo = self.adaptive.min_depth if self.adaptive else self.depth
         self.split = tuple(range(lo, self.depth)) if self.depth > 0 else ()  # skippable depths
         self._carry: _Carry | None = None
@@ -126,7 +124,6 @@ class RoundProgram:
 
     def pre(self) -> torch.Tensor:
         st, e = self.st, self.e
-        ar = st.ar
         go = 1 - st.done  # [1] int32
         m = st.m
         self._stopped = False
@@ -135,7 +132,8 @@ class RoundProgram:
             self.q_ids[self.split[0]:].fill_(-1)
             self.q_probs[self.split[0]:].zero_()
         c = (m - st.draft_next + 1) * go  # catch-up rows of depth 0
-        cy = _Carry(None, None, None, st.draft_next.clone(), go.clone(), torch.zeros_like(go),
+        self.nd_buf.zero_()
+        cy = _Carry(None, None, None, st.draft_next.clone(), go.clone(), self.nd_buf,
                     init_features(1, go.device))
         if self.depth > 0:
             # one entry launch: token at p (slots clamp at the dump slot), the target hidden
@@ -143,7 +141,8 @@ class RoundProgram:
             cy.logits, cy.hid, _ = e.draft.forward_entry(
                 st.tokens, cy.nxt, st.dump_slot, st.hidden, cy.nxt - 1 - st.hidden_at, cy.nxt,
                 Live.on_device(c), e.session.caches.draft)
-            st.record_fault(_finite_rows(cy.logits, c, ar), FAULT_DRAFT_LOGITS, 0, 0)
+            e.ops.check_logits(cy.logits, Live.on_device(c), st.log, code=FAULT_DRAFT_LOGITS,
+                               where=0)
             if self._host_stop():
                 self._stopped = True
                 return cy.one
@@ -161,14 +160,13 @@ class RoundProgram:
         return cy.one
 
     def _hand_over(self, cy: _Carry) -> None:
-        self.nxt_buf.copy_(cy.nxt)
-        self.nd_buf.copy_(cy.n_d)
+        self.nxt_buf.copy_(cy.nxt)  # cy.n_d is nd_buf itself
         self._carry = cy
 
     def _steps(self, cy: _Carry, j0: int, j1: int, forward_first: bool = False) -> None:
         """Depths j0 … j1−1: [forward of depth j,] sample its draft, control step."""
         st, e, ops = self.st, self.e, self.e.ops
-        R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
+        R, vocab = st.rows, e.cfg.target.vocab_size
         for j in range(j0, j1):
             if j > j0 or forward_first:
                 if self._host_cpu and int(cy.one[0]) == 0:
@@ -178,24 +176,20 @@ class RoundProgram:
                 cy.logits, cy.hid, _ = e.draft.forward_entry(
                     self.d_buf, j - 1, R - 2, cy.hid, cy.last, cy.nxt, Live.on_device(cy.one),
                     e.session.caches.draft, fused=True)
-                st.record_fault(_finite_rows(cy.logits, cy.one, ar), FAULT_DRAFT_LOGITS, j, 0)
+                ops.check_logits(cy.logits, Live.on_device(cy.one), st.log,
+                                 code=FAULT_DRAFT_LOGITS, where=j)
                 if self._host_stop():
                     self._stopped = True
                     return
-                cy.last = torch.zeros_like(cy.last)
+                cy.last = self.row0
                 cy.nxt = cy.nxt + cy.one
             row = cy.logits.index_select(0, cy.last)  # [1, V]: the depth's last row
             out = ops.sample(row, st.sampling, st.seed, cy.nxt.long(), Purpose.DRAFT_SAMPLE,
                              Live.on_device(cy.one))
-            live = cy.one > 0
-            y = torch.where(live, out.tokens[:1], 0)  # [1]
-            st.record_fault(live & ((y < 0) | (y >= vocab)), FAULT_TOKEN, j, y)
-            y = y.clamp(0, vocab - 1)
-            self.q_ids[j] = torch.where(live, out.ids[0], -1)
-            self.q_probs[j] = torch.where(live, out.probs[0], 0.0)
-            self.d_buf[j] = y[0]
-            cy.n_d = cy.n_d + cy.one
+            # y_j (clamped into the vocabulary) into d_buf[j], the served row into q_*[j]
+            ops.record_draft(out, cy.one, j, self.rec, st.log, vocab=vocab, code=FAULT_TOKEN)
             if j < self.depth - 1 and self.adaptive is not None:  # run depth j + 1?
+                y = self.d_buf[j:j + 1]
                 cy.feat = push_features(cy.feat, *_served_features(out, y))
                 more = self.adaptive.more_batch(j + 1, cy.feat, self.table)
                 cy.one = cy.one * more.to(torch.int32)
@@ -215,7 +209,8 @@ class RoundProgram:
         flagged = e.session.flags != 0
         st.record_fault(flagged.any().reshape(1) & (go > 0), FAULT_READINESS,
                         torch.argmax(flagged.int()), 0)
-        st.record_fault(_finite_rows(logits, n_t, ar), FAULT_TARGET_LOGITS, 0, 0)
+        ops.check_logits(logits, Live.on_device(n_t), st.log, code=FAULT_TARGET_LOGITS,
+                         where=0)
         if self._host_stop():
             return
         p = ops.sample(logits, st.sampling, st.seed, (m + 1 + ar).long(),

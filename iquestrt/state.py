@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampler.values import DeviceSampling
+from reference.op_types import FaultLog
 from reference.speculative import GenerationRequest
+from reference.twins.round_record import record_fault_ref
 
 FAULT_NONE, FAULT_READINESS, FAULT_TARGET_LOGITS, FAULT_DRAFT_LOGITS, FAULT_TOKEN = range(5)
 HEAD = ("m", "accepted", "bonus", "drafts", "emitted")
@@ -134,20 +136,15 @@ class DeviceState:
         self.hidden_at.fill_(n - 2)
         self.n_new.fill_(1)
 
+    @property
+    def log(self) -> FaultLog:
+        """The fault record of this round (ops.check_logits / ops.record_draft write it)."""
+        return FaultLog(self.fault, self.round)
+
     def record_fault(self, cond: torch.Tensor, code: int, where, value) -> None:
         """Record (code, round, where, value) when cond [1] bool holds and no fault came first.
         where/value: ints or [1] device tensors."""
-        new = torch.stack([torch.full((), code, dtype=torch.int64, device=cond.device),
-                           self.round[0].long(), _scalar(where, cond.device),
-                           _scalar(value, cond.device)])
-        first = cond & (self.fault[0] == FAULT_NONE)
-        self.fault.copy_(torch.where(first, new, self.fault))
-
-
-def _scalar(x, device) -> torch.Tensor:
-    if isinstance(x, torch.Tensor):
-        return x.reshape(()).long()
-    return torch.full((), int(x), dtype=torch.int64, device=device)
+        record_fault_ref(self.log, cond, code, where, value)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 
 from qualification.tolerances import Margin, measure, tolerance
 from reference import ops as ref_ops
+from reference.op_types import DraftRecord, FaultLog
 
 
 @dataclass
@@ -325,6 +326,25 @@ class Lockstep:
         self.calls += 1
         self.round += 1
         return got
+
+    # --- the round's bookkeeping ---------------------------------------------------------------
+    def _same_record(self, got, want) -> None:
+        for g, w in zip(got, want, strict=True):
+            self._cmp(g, w, "kernels.round_record", "int64/fp32")
+
+    def check_logits(self, logits, live, log, *, code, where):
+        """The kernel records into the round's log, the twin into a clone taken before."""
+        twin_log = FaultLog(*(t.clone() for t in log))
+        self.k.check_logits(logits, live, log, code=code, where=where)
+        self.t.check_logits(logits, live, twin_log, code=code, where=where)
+        self._same_record(log, twin_log)
+
+    def record_draft(self, out, one, j, rec, log, *, vocab, code):
+        twin_rec = DraftRecord(*(t.clone() for t in rec))
+        twin_log = FaultLog(*(t.clone() for t in log))
+        self.k.record_draft(out, one, j, rec, log, vocab=vocab, code=code)
+        self.t.record_draft(out, one, j, twin_rec, twin_log, vocab=vocab, code=code)
+        self._same_record((*rec, *log), (*twin_rec, *twin_log))
 
     # --- the verdict -------------------------------------------------------------------------
     def decode(self, req) -> int:

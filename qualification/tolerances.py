@@ -523,6 +523,14 @@ _ROWS: tuple[Tolerance, ...] = (
         "exact-match acceptance; replacement drawn from p; bonus after a rejection; p/q "
         "inverted; RNG keyed without the position (tests/kernels/test_verify.py)",
     ),
+    Tolerance(
+        "kernels.round_record", "int64/fp32", 0.0, 0.0,
+        "the round's fault log and draft record (kernels/round_record.py) are selects, "
+        "compares and one integer add of the twin's (reference.twins.round_record): moved "
+        "bits, no arithmetic on the probabilities",
+        "a fault over an earlier one; dead rows checked; the draft not clamped; the fault's "
+        "round not recorded (tests/kernels/test_round_record.py)",
+    ),
     # rows of the lockstep gate (qualification/lockstep.py) for values that are moved or
     # rounded in one defined way, so exact
     Tolerance(

@@ -78,3 +78,21 @@ class EntryNorms:
     enorm: torch.Tensor  # [H] the embedding half's norm weight
     hnorm: torch.Tensor  # [H] the hidden half's norm weight
     eps: float
+
+
+class FaultLog(NamedTuple):
+    """Where a round records the request's first fault (iquestrt/state.py lists the codes):
+    written once, by the first fault; code 0 means none."""
+
+    fault: torch.Tensor  # [4] int64 (code, round, where, value)
+    round_no: torch.Tensor  # [1] int32 the round being run (the recorded round)
+
+
+class DraftRecord(NamedTuple):
+    """A round's record of its draft steps (iquestrt/round.py): step j writes row j of q_ids,
+    q_probs and drafts, and adds its live flag to n_d."""
+
+    q_ids: torch.Tensor  # [Db, W] int64 the draft's served ids at each depth (−1: not run)
+    q_probs: torch.Tensor  # [Db, W] fp32 their probabilities (0: not run)
+    drafts: torch.Tensor  # [Db] int64 the drafts y_1 … y_Db (clamped into the vocabulary)
+    n_d: torch.Tensor  # [1] int32 drafts run so far

@@ -66,8 +66,9 @@ def refusals(wrapper: type) -> list[str]:
 
 
 def test_the_table_declares_the_ops_the_model_calls():
-    assert len(OPS) == 19
-    assert {"reset", "linear_fp8", "attn_tail", "sample", "verify"} <= set(OPS)
+    assert len(OPS) == 21
+    assert {"reset", "linear_fp8", "attn_tail", "sample", "verify", "check_logits",
+            "record_draft"} <= set(OPS)
 
 
 @pytest.mark.parametrize("impl", [KernelOps, TwinOps], ids=lambda c: c.__name__)

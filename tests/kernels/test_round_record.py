@@ -1,0 +1,230 @@
+"""kernels/round_record.py against its twins (reference.twins.round_record), bit for bit (row
+kernels.round_record), and against values written out by hand: the fault of non-finite logits
+in live rows only, never over an earlier fault, with the round it happened in; a draft step's
+record with the token clamped, and nothing but −1 / 0 when the depth did not run.
+
+Dimension letters: R rows, V vocabulary, W served width, Db draft slots.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iquestrt.capture import graph_capture
+from kernels.round_record import BLOCK_V, check_logits, record_draft
+from reference.op_types import DraftRecord, FaultLog, SampleOut
+from reference.twins.round_record import check_logits_ref, record_draft_ref, record_fault_ref
+
+CODE, VOCAB = 3, 5000  # V spans two check_logits programs (BLOCK_V 4096)
+
+
+def _log(device, fault=(0, 0, 0, 0), rnd=7) -> FaultLog:
+    return FaultLog(torch.tensor(fault, dtype=torch.int64, device=device),
+                    torch.tensor([rnd], dtype=torch.int32, device=device))
+
+
+def _clone(t):
+    return type(t)(*(x.clone() for x in t))
+
+
+def _check_both(device, logits, n, log, where=2):
+    """→ (kernel's log, twin's log) after each checked the same logits on its own copy."""
+    n = torch.tensor([n], dtype=torch.int32, device=device)
+    k, t = _clone(log), _clone(log)
+    check_logits(logits, n, k, code=CODE, where=where)
+    check_logits_ref(logits, n, t, code=CODE, where=where)
+    return k, t
+
+
+def _logits(device, rows=4, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, VOCAB, generator=g).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["finite", "nan live", "inf last column", "-inf second block",
+                                  "nan dead row", "earlier fault", "no live row"])
+def test_check_logits(device, dtype, case):
+    x = _logits(device, dtype=dtype)
+    n, log, want = 3, _log(device), (0, 0, 0, 0)
+    if case == "nan live":
+        x[1, 17] = float("nan")
+        want = (CODE, 7, 2, 0)
+    elif case == "inf last column":
+        x[2, VOCAB - 1] = float("inf")
+        want = (CODE, 7, 2, 0)
+    elif case == "-inf second block":
+        x[0, BLOCK_V + 3] = float("-inf")
+        want = (CODE, 7, 2, 0)
+    elif case == "nan dead row":
+        x[3, 5] = float("nan")  # row 3 ≥ n: padding, never judged
+    elif case == "earlier fault":
+        x[0, 0] = float("nan")
+        log = _log(device, fault=(1, 4, 9, 0))
+        want = (1, 4, 9, 0)
+    elif case == "no live row":
+        x[0, 0] = float("nan")
+        n = 0
+    k, t = _check_both(device, x, n, log)
+    assert k.fault.tolist() == list(want)
+    assert torch.equal(k.fault, t.fault) and torch.equal(k.round_no, t.round_no)
+
+
+def _sample(device, token, width, seed=1) -> SampleOut:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (4, width), generator=g)
+    probs = torch.rand(4, width, generator=g)
+    tokens = torch.tensor([token, 11, 12, 13], dtype=torch.int64)
+    return SampleOut(tokens.to(device), ids.to(device), probs.to(device))
+
+
+def _record(device, db=5, width=3, n_d=2) -> DraftRecord:
+    return DraftRecord(torch.full((db, width), -1, dtype=torch.int64, device=device),
+                       torch.zeros(db, width, dtype=torch.float32, device=device),
+                       torch.zeros(db, dtype=torch.int64, device=device),
+                       torch.tensor([n_d], dtype=torch.int32, device=device))
+
+
+def _draft_both(device, out, one, j, rec, log):
+    one = torch.tensor([one], dtype=torch.int32, device=device)
+    kr, kl, tr, tl = _clone(rec), _clone(log), _clone(rec), _clone(log)
+    record_draft(out, one, j, kr, kl, vocab=VOCAB, code=CODE)
+    record_draft_ref(out, one, j, tr, tl, vocab=VOCAB, code=CODE)
+    return (kr, kl), (tr, tl)
+
+
+@pytest.mark.parametrize("width", [1, 3, 20])
+@pytest.mark.parametrize("case", ["in range", "too large", "negative", "not run",
+                                  "earlier fault"])
+def test_record_draft(device, width, case):
+    token = {"too large": VOCAB + 4, "negative": -3}.get(case, 4321)
+    one = 0 if case == "not run" else 1
+    log = _log(device, fault=(2, 1, 0, 0)) if case == "earlier fault" else _log(device)
+    out, rec = _sample(device, token, width), _record(device, width=width)
+    (kr, kl), (tr, tl) = _draft_both(device, out, one, 3, rec, log)
+    for got, want in zip((*kr, *kl), (*tr, *tl), strict=True):
+        assert torch.equal(got, want)
+    if case == "not run":
+        assert kr.q_ids[3].tolist() == [-1] * width and kr.q_probs[3].tolist() == [0.0] * width
+        assert int(kr.drafts[3]) == 0 and int(kr.n_d[0]) == 2
+    else:
+        assert kr.q_ids[3].tolist() == out.ids[0].tolist()
+        assert kr.q_probs[3].tolist() == out.probs[0].tolist()
+        assert int(kr.drafts[3]) == {"too large": VOCAB - 1, "negative": 0}.get(case, 4321)
+        assert int(kr.n_d[0]) == 3
+    want_fault = {"too large": [CODE, 7, 3, VOCAB + 4], "negative": [CODE, 7, 3, -3],
+                  "earlier fault": [2, 1, 0, 0]}.get(case, [0, 0, 0, 0])
+    assert kl.fault.tolist() == want_fault
+    others = [r for r in range(5) if r != 3]  # only row j is written
+    assert (kr.q_ids[others] == -1).all() and (kr.drafts[others] == 0).all()
+
+
+# --- broken variants: each planted bug changes a result the tests above compare ------------------
+def _mutant_check(kind, logits, n_live, log, *, code, where):
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    bad = ~torch.isfinite(logits).all(dim=1)
+    if kind != "dead rows checked":
+        bad = bad & (rows < n_live)
+    cond = bad.any().reshape(1)
+    if kind == "a fault over an earlier one":
+        log.fault.copy_(torch.where(cond, torch.tensor([code, int(log.round_no[0]), where, 0],
+                                                       device=logits.device), log.fault))
+        return
+    if kind == "the fault's round not recorded":
+        log = FaultLog(log.fault, torch.zeros_like(log.round_no))
+    record_fault_ref(log, cond, code, where, 0)
+
+
+def _mutant_draft(out, one, j, rec, log, *, vocab, code):
+    """the draft not clamped"""
+    live = one > 0
+    y = torch.where(live, out.tokens[:1], 0)
+    record_fault_ref(log, live & ((y < 0) | (y >= vocab)), code, j, y)
+    rec.q_ids[j] = torch.where(live, out.ids[0], -1)
+    rec.q_probs[j] = torch.where(live, out.probs[0], 0.0)
+    rec.drafts[j] = y[0]
+    rec.n_d.add_(one)
+
+
+@pytest.mark.parametrize("kind", ["a fault over an earlier one", "dead rows checked",
+                                  "the fault's round not recorded"])
+def test_broken_check_variants_differ(device, kind):
+    x = _logits(device)
+    x[3, 5] = float("nan")  # a dead row's NaN (n = 3) …
+    x[1, 2] = float("nan")  # … and a live one's
+    logs = [_log(device), _log(device, fault=(1, 4, 9, 0))]
+    differ = 0
+    for n, log in ((3, logs[0]), (3, logs[1]), (1, logs[0]), (2, logs[0])):
+        y = x.clone()
+        if n == 1:
+            y[1, 2] = 0.0  # only the dead row's NaN is left
+        k = _clone(log)
+        check_logits(y, torch.tensor([n], dtype=torch.int32, device=device), k, code=CODE,
+                     where=2)
+        m = _clone(log)
+        _mutant_check(kind, y, torch.tensor([n], dtype=torch.int32, device=device), m,
+                      code=CODE, where=2)
+        differ += not torch.equal(k.fault, m.fault)
+    assert differ >= 1, kind
+
+
+def test_broken_draft_variant_differs(device):
+    out, rec, log = _sample(device, VOCAB + 4, 3), _record(device), _log(device)
+    kr, kl = _clone(rec), _clone(log)
+    record_draft(out, torch.ones(1, dtype=torch.int32, device=device), 3, kr, kl, vocab=VOCAB,
+                 code=CODE)
+    mr, ml = _clone(rec), _clone(log)
+    _mutant_draft(out, torch.ones(1, dtype=torch.int32, device=device), 3, mr, ml, vocab=VOCAB,
+                  code=CODE)
+    assert not torch.equal(kr.drafts, mr.drafts)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+def test_bad_input_names_the_argument(device):
+    x, log = _logits(device), _log(device)
+    n = torch.tensor([2], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="logits"):
+        check_logits(x[:, ::2], n, log, code=CODE, where=0)
+    with pytest.raises(ValueError, match="log.fault"):
+        check_logits(x, n, FaultLog(log.fault.int(), log.round_no), code=CODE, where=0)
+    with pytest.raises(ValueError, match="code"):
+        check_logits(x, n, log, code=0, where=0)
+    out, rec = _sample(device, 5, 3), _record(device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="j"):
+        record_draft(out, one, 5, rec, log, vocab=VOCAB, code=CODE)
+    with pytest.raises(ValueError, match="out.ids"):
+        record_draft(out._replace(ids=out.ids[:, :2]), one, 0, rec, log, vocab=VOCAB, code=CODE)
+    with pytest.raises(ValueError, match="rec.n_d"):
+        record_draft(out, one, 0, rec._replace(n_d=rec.n_d.long()), log, vocab=VOCAB,
+                     code=CODE)
+
+
+@pytest.mark.gpu
+def test_graph_replays_read_new_values(device):
+    """Captured once, replayed with other device values: each replay records what those
+    values say (the round graph's use)."""
+    x, log = _logits(device), _log(device)
+    n = torch.tensor([3], dtype=torch.int32, device=device)
+    out, rec = _sample(device, 77, 3), _record(device)
+    one = torch.ones(1, dtype=torch.int32, device=device)
+    check_logits(x, n, log, code=CODE, where=1)  # compile outside the capture
+    record_draft(out, one, 2, rec, log, vocab=VOCAB, code=CODE)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        check_logits(x, n, log, code=CODE, where=1)
+        record_draft(out, one, 2, rec, log, vocab=VOCAB, code=CODE)
+    log.fault.zero_()
+    rec.n_d.zero_()
+    out.tokens[0] = VOCAB + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert log.fault.tolist() == [CODE, 7, 2, VOCAB + 1] and int(rec.drafts[2]) == VOCAB - 1
+    log.fault.zero_()
+    x[2, 9] = float("nan")
+    log.round_no.fill_(8)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert log.fault.tolist() == [CODE, 8, 1, 0] and int(rec.n_d[0]) == 2
