@@ -31,6 +31,7 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundState,
     SampleOut,
     VerifyOut,
 )
@@ -157,6 +158,13 @@ class OpTable(Protocol):
         """Depth j's draft from its sample out (row 0) when one [1] int32 is 1: rec's row j =
         the served ids / probs and the token clamped into [0, vocab) (the fault (code, round, j,
         token) when it was outside), rec.n_d += one; with one = 0 row j is −1 / 0 / 0."""
+
+    def settle_round(self, v: VerifyOut, keep_d: Tensor, hidden: Tensor, rec: DraftRecord,
+                     s: RoundState, *, vocab: int, code: int) -> None:
+        """The state after verification, caches already rolled back: the fault (code, round,
+        −1, token) of a next token outside [0, vocab); when the round ran, draft_next = keep_d
+        [1], hidden [R, H] and its base, the emitted tokens, the log row (head, emitted, rec),
+        m, n_new, round, done (reference.twins.round_record.settle_round_ref)."""
 
     # --- row parts -------------------------------------------------------------------------
     def norm_rows(self, a: Tensor, w: Tensor | None, live: Live, eps: float, *,

@@ -35,6 +35,7 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundState,
     SampleOut,
     VerifyOut,
 )
@@ -158,6 +159,10 @@ class KernelOps:
     def record_draft(self, out: SampleOut, one, j, rec: DraftRecord, log: FaultLog, *, vocab,
                      code) -> None:
         k_record.record_draft(out, one, j, rec, log, vocab=vocab, code=code, pdl=self.pdl)
+
+    def settle_round(self, v: VerifyOut, keep_d, hidden, rec: DraftRecord, s: RoundState, *,
+                     vocab, code) -> None:
+        k_record.settle_round(v, keep_d, hidden, rec, s, vocab=vocab, code=code, pdl=self.pdl)
 
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):

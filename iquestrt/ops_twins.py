@@ -28,6 +28,7 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundState,
     SampleOut,
     VerifyOut,
 )
@@ -223,6 +224,10 @@ class TwinOps:
     def record_draft(self, out: SampleOut, one, j, rec: DraftRecord, log: FaultLog, *, vocab,
                      code) -> None:
         t_record.record_draft_ref(out, one, j, rec, log, vocab=vocab, code=code)
+
+    def settle_round(self, v: VerifyOut, keep_d, hidden, rec: DraftRecord, s: RoundState, *,
+                     vocab, code) -> None:
+        t_record.settle_round_ref(v, keep_d, hidden, rec, s, vocab=vocab, code=code)
 
     def norm_rows(self, a, w, live: Live, eps, *, b=None, wb=None, sum_dtype=torch.float32,
                   store_sum=False, y_out=None, y_dtype=torch.bfloat16):

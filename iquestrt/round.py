@@ -196,7 +196,7 @@ class RoundProgram:
 
     def post(self) -> None:
         st, e, ops = self.st, self.e, self.e.ops
-        R, ar, vocab = st.rows, st.ar, e.cfg.target.vocab_size
+        R, ar = st.rows, st.ar
         caches = e.session.caches
         go = 1 - st.done
         m = st.m
@@ -218,10 +218,7 @@ class RoundProgram:
         v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, st.seed, (m + 1).long(),
                        Live.on_device(n_d.to(torch.int32)))
         a = (v.n_accepted * go).to(torch.int32)  # [1]
-        nxt_tok = v.next_token[:1]
-        st.record_fault((go > 0) & ((nxt_tok < 0) | (nxt_tok >= vocab)), FAULT_TOKEN, -1,
-                        nxt_tok)
-        self._settle(go, m, a, n_t, nxt, hidden, v.emitted, v.bonus, n_d)
+        self._settle(go, m, a, n_t, nxt, hidden, v)
 
     def _host_stop(self) -> bool:
         """On the CPU (twins, interpreter) a recorded fault ends the round at once: the twins'
@@ -229,35 +226,15 @@ class RoundProgram:
         st = self.st
         return self._host_cpu and bool(st.fault[0] != 0)
 
-    def _settle(self, go, m, a, n_t, nxt, hidden, emitted, bonus, n_d) -> None:
+    def _settle(self, go, m, a, n_t, nxt, hidden, v) -> None:
         st, ops, caches = self.st, self.e.ops, self.e.session.caches
-        live = go > 0
         n_em = (a + 1) * go  # tokens this round emits
         keep = m + n_em  # = m + a + 1, or m when nothing ran
         written = m + n_t
         ops.rollback_layers(caches.target, keep, written)
         keep_d = torch.minimum(self.e.cfg.draft.settled_draft_next(m, n_em, ran=go), nxt)
         ops.rollback(caches.draft, keep_d, nxt)
-        st.draft_next.copy_(torch.where(live, keep_d, st.draft_next))
-        st.hidden.copy_(torch.where(live, hidden, st.hidden))
-        st.hidden_at.copy_(torch.where(live, m, st.hidden_at))
-        em_live = st.ar < n_em  # [R] emitted slots of this round
-        em = torch.where(em_live, emitted[: st.rows], -1)
-        slot = torch.where(em_live, m + 1 + st.ar, st.dump_slot).long()
-        st.tokens.index_put_((slot,), em)
-        hit_stop = ((em[:, None] == st.stop[None, :]).any(dim=1) & em_live).any().reshape(1)
-        n_new = st.n_new + n_em
-        faulted = st.fault[:1] != 0
-        finished = live & (hit_stop | (n_new >= st.max_new) | faulted)
-        row = torch.where(live, st.round, st.dump_row).long()
-        head = torch.stack([m[0], a[0], bonus[0].to(torch.int32), n_d[0].to(torch.int32),
-                            n_em[0]])[None]
-        st.head.index_copy_(0, row, head.to(torch.int32))
-        st.emitted.index_copy_(0, row, em[None])
-        st.drafts.index_copy_(0, row, self.d_buf[None])
-        st.q_ids.index_copy_(0, row, self.q_ids[None])
-        st.q_probs.index_copy_(0, row, self.q_probs[None])
-        st.m.copy_(m + n_em)
-        st.n_new.copy_(n_new)
-        st.round.copy_(st.round + go)
-        st.done.copy_(torch.where(finished | faulted, 1, st.done).to(torch.int32))
+        # then the next token's fault, the emitted tokens, hidden rows, log row, m, n_new,
+        # round and done, all read from the state before the settlement (kernels/round_record)
+        ops.settle_round(v, keep_d, hidden, self.rec, st.round_state,
+                         vocab=self.e.cfg.target.vocab_size, code=FAULT_TOKEN)

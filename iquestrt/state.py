@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.sampler.values import DeviceSampling
-from reference.op_types import FaultLog
+from reference.op_types import FaultLog, RoundState
 from reference.speculative import GenerationRequest
 from reference.twins.round_record import record_fault_ref
 
@@ -135,6 +135,14 @@ class DeviceState:
         self.hidden[0] = hidden_last
         self.hidden_at.fill_(n - 2)
         self.n_new.fill_(1)
+
+    @property
+    def round_state(self) -> RoundState:
+        """What a round's settlement writes (ops.settle_round)."""
+        return RoundState(self.tokens, self.stop, self.m, self.draft_next, self.hidden,
+                          self.hidden_at, self.n_new, self.max_new, self.done, self.round,
+                          self.fault, self.head, self.emitted, self.drafts, self.q_ids,
+                          self.q_probs)
 
     @property
     def log(self) -> FaultLog:

@@ -30,7 +30,7 @@ import torch
 
 from qualification.tolerances import Margin, measure, tolerance
 from reference import ops as ref_ops
-from reference.op_types import DraftRecord, FaultLog
+from reference.op_types import DraftRecord, FaultLog, RoundState
 
 
 @dataclass
@@ -345,6 +345,12 @@ class Lockstep:
         self.k.record_draft(out, one, j, rec, log, vocab=vocab, code=code)
         self.t.record_draft(out, one, j, twin_rec, twin_log, vocab=vocab, code=code)
         self._same_record((*rec, *log), (*twin_rec, *twin_log))
+
+    def settle_round(self, v, keep_d, hidden, rec, s, *, vocab, code):
+        twin_s = RoundState(*(t.clone() for t in s))
+        self.k.settle_round(v, keep_d, hidden, rec, s, vocab=vocab, code=code)
+        self.t.settle_round(v, keep_d, hidden, rec, twin_s, vocab=vocab, code=code)
+        self._same_record(s, twin_s)
 
     # --- the verdict -------------------------------------------------------------------------
     def decode(self, req) -> int:

@@ -96,3 +96,26 @@ class DraftRecord(NamedTuple):
     q_probs: torch.Tensor  # [Db, W] fp32 their probabilities (0: not run)
     drafts: torch.Tensor  # [Db] int64 the drafts y_1 … y_Db (clamped into the vocabulary)
     n_d: torch.Tensor  # [1] int32 drafts run so far
+
+
+class RoundState(NamedTuple):
+    """The request state and result log a round's settlement writes (iquestrt/state.py
+    DeviceState, whose docstring defines each field; slot P of tokens and row L of the log are
+    dump targets for rounds that commit nothing)."""
+
+    tokens: torch.Tensor  # [P + 1] int64
+    stop: torch.Tensor  # [S] int64
+    m: torch.Tensor  # [1] int32
+    draft_next: torch.Tensor  # [1] int32
+    hidden: torch.Tensor  # [R, H] bf16
+    hidden_at: torch.Tensor  # [1] int32
+    n_new: torch.Tensor  # [1] int32
+    max_new: torch.Tensor  # [1] int32
+    done: torch.Tensor  # [1] int32
+    round_no: torch.Tensor  # [1] int32
+    fault: torch.Tensor  # [4] int64
+    head: torch.Tensor  # [L + 1, 5] int32
+    emitted: torch.Tensor  # [L + 1, R] int64
+    drafts: torch.Tensor  # [L + 1, Db] int64
+    q_ids: torch.Tensor  # [L + 1, Db, W] int64
+    q_probs: torch.Tensor  # [L + 1, Db, W] fp32

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.op_types import DraftRecord, FaultLog, SampleOut
+from reference.op_types import DraftRecord, FaultLog, RoundState, SampleOut, VerifyOut
 
 
 def _scalar(x, device) -> torch.Tensor:
@@ -54,3 +54,47 @@ def record_draft_ref(out: SampleOut, one: torch.Tensor, j: int, rec: DraftRecord
     rec.q_probs[j] = torch.where(live, out.probs[0], 0.0)
     rec.drafts[j] = y[0]
     rec.n_d.add_(one)
+
+
+def settle_round_ref(v: VerifyOut, keep_d: torch.Tensor, hidden: torch.Tensor, rec: DraftRecord,
+                     s: RoundState, *, vocab: int, code: int) -> None:
+    """The state after verification (the caches were rolled back before): the token fault of
+    v.next_token (code, round, −1, token) when outside [0, V); when the round ran (done 0):
+    draft_next = keep_d [1] int32, the hidden rows [R, H] and their base m, the a + 1 emitted
+    tokens at m + 1 …, the log row `round` (head, emitted, the draft record), m += a + 1,
+    n_new += a + 1, round += 1, done when a stop id was emitted, the budget is reached or a
+    fault is recorded. A round of a finished request writes only the dump slot and dump row."""
+    rows = s.hidden.shape[0]
+    ar = torch.arange(rows, dtype=torch.int32, device=s.m.device)
+    dump_slot, dump_row = s.tokens.shape[0] - 1, s.head.shape[0] - 1
+    go = 1 - s.done
+    live = go > 0
+    m = s.m
+    a = (v.n_accepted * go).to(torch.int32)  # [1]
+    nxt_tok = v.next_token[:1]
+    record_fault_ref(FaultLog(s.fault, s.round_no), live & ((nxt_tok < 0) | (nxt_tok >= vocab)),
+                     code, -1, nxt_tok)
+    n_em = (a + 1) * go  # tokens this round emits
+    s.draft_next.copy_(torch.where(live, keep_d, s.draft_next))
+    s.hidden.copy_(torch.where(live, hidden, s.hidden))
+    s.hidden_at.copy_(torch.where(live, m, s.hidden_at))
+    em_live = ar < n_em  # [R] emitted slots of this round
+    em = torch.where(em_live, v.emitted[:rows], -1)
+    slot = torch.where(em_live, m + 1 + ar, dump_slot).long()
+    s.tokens.index_put_((slot,), em)
+    hit_stop = ((em[:, None] == s.stop[None, :]).any(dim=1) & em_live).any().reshape(1)
+    n_new = s.n_new + n_em
+    faulted = s.fault[:1] != 0
+    finished = live & (hit_stop | (n_new >= s.max_new) | faulted)
+    row = torch.where(live, s.round_no, dump_row).long()
+    head = torch.stack([m[0], a[0], v.bonus[0].to(torch.int32), rec.n_d[0].to(torch.int32),
+                        n_em[0]])[None]
+    s.head.index_copy_(0, row, head.to(torch.int32))
+    s.emitted.index_copy_(0, row, em[None])
+    s.drafts.index_copy_(0, row, rec.drafts[None])
+    s.q_ids.index_copy_(0, row, rec.q_ids[None])
+    s.q_probs.index_copy_(0, row, rec.q_probs[None])
+    s.m.copy_(m + n_em)
+    s.n_new.copy_(n_new)
+    s.round_no.copy_(s.round_no + go)
+    s.done.copy_(torch.where(finished | faulted, 1, s.done).to(torch.int32))

@@ -12,9 +12,14 @@ import pytest
 import torch
 
 from iquestrt.capture import graph_capture
-from kernels.round_record import BLOCK_V, check_logits, record_draft
-from reference.op_types import DraftRecord, FaultLog, SampleOut
-from reference.twins.round_record import check_logits_ref, record_draft_ref, record_fault_ref
+from kernels.round_record import BLOCK_V, check_logits, record_draft, settle_round
+from reference.op_types import DraftRecord, FaultLog, RoundState, SampleOut, VerifyOut
+from reference.twins.round_record import (
+    check_logits_ref,
+    record_draft_ref,
+    record_fault_ref,
+    settle_round_ref,
+)
 
 CODE, VOCAB = 3, 5000  # V spans two check_logits programs (BLOCK_V 4096)
 
@@ -228,3 +233,116 @@ def test_graph_replays_read_new_values(device):
     graph.replay()
     torch.cuda.synchronize()
     assert log.fault.tolist() == [CODE, 8, 1, 0] and int(rec.n_d[0]) == 2
+
+
+# --- settle_round ---------------------------------------------------------------------------------
+R, H, LOG, WIDTH = 4, 96, 3, 2  # rows, hidden, log rows (+ the dump row), served width
+
+
+def _state(device, *, m=10, done=0, rnd=1, n_new=3, max_new=50, stop=(-2,), fault=(0, 0, 0, 0)
+           ) -> RoundState:
+    g = torch.Generator().manual_seed(5)
+    i32 = dict(dtype=torch.int32, device=device)
+    return RoundState(
+        tokens=torch.arange(40, dtype=torch.int64).to(device),
+        stop=torch.tensor(stop, dtype=torch.int64, device=device),
+        m=torch.tensor([m], **i32), draft_next=torch.tensor([m - 1], **i32),
+        hidden=torch.randn(R, H, generator=g).bfloat16().to(device),
+        hidden_at=torch.tensor([m - 2], **i32), n_new=torch.tensor([n_new], **i32),
+        max_new=torch.tensor([max_new], **i32), done=torch.tensor([done], **i32),
+        round_no=torch.tensor([rnd], **i32),
+        fault=torch.tensor(fault, dtype=torch.int64, device=device),
+        head=torch.zeros(LOG + 1, 5, **i32),
+        emitted=torch.full((LOG + 1, R), -1, dtype=torch.int64, device=device),
+        drafts=torch.zeros(LOG + 1, R - 1, dtype=torch.int64, device=device),
+        q_ids=torch.full((LOG + 1, R - 1, WIDTH), -1, dtype=torch.int64, device=device),
+        q_probs=torch.zeros(LOG + 1, R - 1, WIDTH, dtype=torch.float32, device=device))
+
+
+def _verify(device, a, token, bonus=0) -> VerifyOut:
+    drafts = [21, 22, 23]
+    em = drafts[:a] + [token] + [-1] * (R - 1 - a)
+    i32 = dict(dtype=torch.int32, device=device)
+    return VerifyOut(torch.tensor([a], **i32), torch.tensor([token], device=device),
+                     torch.tensor([bonus], **i32), torch.tensor(em, device=device))
+
+
+def _settle_both(device, v, s, keep_d=12):
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(R, H, generator=g).bfloat16().to(device)
+    hidden[R - 1] = float("nan")  # a padding row: moved as bits
+    rec = DraftRecord(torch.randint(0, 99, (R - 1, WIDTH), generator=g).to(device),
+                      torch.rand(R - 1, WIDTH, generator=g).to(device),
+                      torch.tensor([21, 22, 23], device=device),
+                      torch.tensor([3], dtype=torch.int32, device=device))
+    kd = torch.tensor([keep_d], dtype=torch.int32, device=device)
+    ks, ts = _clone(s), _clone(s)
+    settle_round(v, kd, hidden, rec, ks, vocab=VOCAB, code=CODE)
+    settle_round_ref(v, kd, hidden, rec, ts, vocab=VOCAB, code=CODE)
+    for name, got, want in zip(RoundState._fields, ks, ts, strict=True):
+        assert torch.equal(got.view(torch.int16) if got.dtype == torch.bfloat16 else got,
+                           want.view(torch.int16) if want.dtype == torch.bfloat16 else want), name
+    return ks, hidden, rec
+
+
+@pytest.mark.parametrize("a", [0, 1, 3])
+def test_settle_round_commits_the_round(device, a):
+    s = _state(device)
+    ks, hidden, rec = _settle_both(device, _verify(device, a, 77, bonus=int(a == 3)), s)
+    n = a + 1
+    assert ks.tokens[11:11 + n].tolist() == [21, 22, 23][:a] + [77]
+    assert ks.tokens[11 + n:39].tolist() == list(range(11 + n, 39))  # nothing else moved
+    assert int(ks.tokens[39]) == (-1 if n < R else 39)  # the dump slot takes dead rows' −1
+    assert ks.head[1].tolist() == [10, a, int(a == 3), 3, n]
+    assert ks.emitted[1].tolist() == ([21, 22, 23][:a] + [77] + [-1] * R)[:R]
+    assert ks.drafts[1].tolist() == [21, 22, 23]
+    assert torch.equal(ks.q_ids[1], rec.q_ids) and torch.equal(ks.q_probs[1], rec.q_probs)
+    assert (int(ks.m[0]), int(ks.n_new[0]), int(ks.round_no[0]), int(ks.done[0])) == (
+        10 + n, 3 + n, 2, 0)
+    assert (int(ks.draft_next[0]), int(ks.hidden_at[0])) == (12, 10)
+    assert torch.equal(ks.hidden.view(torch.int16), hidden.view(torch.int16))
+    assert ks.fault.tolist() == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("case", ["stop id", "budget", "token fault", "earlier fault",
+                                  "finished request"])
+def test_settle_round_ends_the_request(device, case):
+    s = _state(device, stop=(-2, 22) if case == "stop id" else (-2,),
+               max_new=5 if case == "budget" else 50,
+               fault=(1, 0, 4, 0) if case == "earlier fault" else (0, 0, 0, 0),
+               done=1 if case == "finished request" else 0)
+    token = VOCAB + 9 if case == "token fault" else 77
+    before = _clone(s)
+    ks, _, _ = _settle_both(device, _verify(device, 2, token), s)
+    assert int(ks.done[0]) == 1
+    if case == "token fault":
+        assert ks.fault.tolist() == [CODE, 1, -1, VOCAB + 9]
+    if case == "earlier fault":
+        assert ks.fault.tolist() == [1, 0, 4, 0]
+    if case == "finished request":  # nothing but the dump slot and the dump row moves
+        for name in ("m", "n_new", "round_no", "draft_next", "hidden", "hidden_at", "fault"):
+            assert torch.equal(getattr(ks, name), getattr(before, name)), name
+        assert torch.equal(ks.tokens[:39], before.tokens[:39])
+        assert torch.equal(ks.head[:LOG], before.head[:LOG])
+        assert ks.head[LOG].tolist() == [10, 0, 0, 3, 0]
+    else:
+        assert int(ks.round_no[0]) == 2
+
+
+def test_settle_round_names_bad_input(device):
+    s, v = _state(device), _verify(device, 1, 5)
+    rec = DraftRecord(torch.zeros(R - 1, WIDTH, dtype=torch.int64, device=device),
+                      torch.zeros(R - 1, WIDTH, device=device),
+                      torch.zeros(R - 1, dtype=torch.int64, device=device),
+                      torch.zeros(1, dtype=torch.int32, device=device))
+    kd = torch.tensor([3], dtype=torch.int32, device=device)
+    hidden = torch.zeros(R, H, dtype=torch.bfloat16, device=device)
+    with pytest.raises(ValueError, match="hidden"):
+        settle_round(v, kd, hidden[:, :8], rec, s, vocab=VOCAB, code=CODE)
+    with pytest.raises(ValueError, match="keep_d"):
+        settle_round(v, kd.long(), hidden, rec, s, vocab=VOCAB, code=CODE)
+    with pytest.raises(ValueError, match="rec.q_ids"):
+        settle_round(v, kd, hidden, rec._replace(q_ids=rec.q_ids[:2]), s, vocab=VOCAB,
+                     code=CODE)
+    with pytest.raises(ValueError, match="s.m"):
+        settle_round(v, kd, hidden, rec, s._replace(m=s.m.long()), vocab=VOCAB, code=CODE)
