@@ -5,6 +5,8 @@ against the simplest torch formulation of the same op in the same run.
 
     python -m benchmarks.bench_tails --json bench_tails.json
     python -m benchmarks.bench_tails --sweep        # also a few pinned launch configs
+    python -m benchmarks.bench_tails --ab packed_topk   # a TailLaunch flag off vs on,
+                                                        # graphs alternating, attn+router
 
 Each configuration is checked against its twin (reference/twins/tails.py) before any timing — a
 wrong result raises. Timing: a CUDA graph of `reps` calls, median over `trials` replays (CUDA
@@ -25,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import capture_graph, time_graph  # noqa: F401
+from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 EPS, FFN_SCALE = 1e-6, 0.53881590608
@@ -208,6 +210,28 @@ def bench_one(spec: Spec, reps: int, trials: int, warmup: int, config=None,
     return row
 
 
+def bench_ab(flag: str, spec: Spec, reps: int, trials: int, warmup: int) -> dict:
+    """The attention tail with router at the default launch and with TailLaunch.<flag> on, each
+    checked against the twin, timed as CUDA graphs replayed alternately (A B B′ A′ …)."""
+    from kernels.tails import tail_launch
+
+    p = build(spec, torch.device("cuda"))
+    base = tail_launch(spec.hidden, spec.experts)
+    cfgs = {"off": base, "on": replace(base, **{flag: True})}
+    row = {**asdict(spec), "ab": flag}
+    variants = {}
+    for name, cfg in cfgs.items():
+        row[f"check_{name}"] = check_against_twin(p, cfg)
+        variants[name] = [kernel_call(p, j, cfg) for j in range(max(1, len(p.router_w)))]
+    row.update({f"{k}_us": v for k, v in
+                time_graphs_alternating(variants, reps, trials, warmup).items()})
+    if p.flag.item() != 0:
+        raise AssertionError("failure flag set during timing")
+    del p
+    torch.cuda.empty_cache()
+    return row
+
+
 SWEEP = ({"num_warps": 4}, {"num_warps": 16})  # both tails
 SWEEP_ROUTER = ({"block_e": 2}, {"block_e": 8}, {"block_k": 256}, {"block_k": 64},
                 {"block_k": 512}, {"block_k": 512, "block_e": 2},
@@ -226,6 +250,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--sweep", action="store_true",
                     help="also time a few pinned launch-config variants (6 rows, N = 8)")
+    ap.add_argument("--ab", metavar="FLAG",
+                    help="only: a TailLaunch flag off vs on (attn+router, --rows, --npart)")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", type=Path, default=Path("bench_tails.json"))
     args = ap.parse_args(argv)
@@ -234,6 +260,18 @@ def main(argv=None) -> list[dict]:
     from kernels.tails import tail_launch
 
     rows = []
+    if args.ab:
+        for npart in args.npart:
+            for r in args.rows:
+                row = bench_ab(args.ab, Spec("attn+router", r, npart,
+                                             router_copies=args.router_copies),
+                               args.reps, args.trials, args.warmup)
+                rows.append(row)
+                print(f"ab {args.ab} N={npart} rows={r}: off {row['off_us']:.2f} µs, "
+                      f"on {row['on_us']:.2f} µs ({row['on_us'] - row['off_us']:+.2f})")
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"rows": rows}, indent=2, default=str))
+        return rows
     for tail in args.tails:
         for npart in args.npart:
             for r in args.rows:

@@ -31,10 +31,14 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                   stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                   HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  REARM_RIN: tl.constexpr):
+                  REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False):
     """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
     REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
-    (`_route_kernel`) reads a tensor it does not own and leaves it alone."""
+    (`_route_kernel`) reads a tensor it does not own and leaves it alone.
+    PACKED: each top-k step is one int64 max over keys (p's bits << 32 | EALL − 1 − index)
+    instead of a max over p and a min over the indices that reach it — the same choice (p ≥ 0,
+    so its bits order as it does; equal p → the larger low word, the lower index) in one
+    reduction per step."""
     ea = tl.arange(0, BLOCK_EALL)
     eam = ea < EXPERTS
     lm = rl[:, None] & eam[None, :]
@@ -50,12 +54,24 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     kc = tl.arange(0, BLOCK_TOPK)
     top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
-    for k in tl.static_range(TOP_K):
-        best = tl.max(p, axis=1)
-        idx = tl.min(tl.where(p == best[:, None], ea[None, :], BLOCK_EALL), axis=1)
-        top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
-        top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
-        p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
+    if PACKED:
+        low = (BLOCK_EALL - 1 - ea).to(tl.int64)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
+        key = tl.where(eam[None, :], key, -1)
+        for k in tl.static_range(TOP_K):
+            best = tl.max(key, axis=1)
+            idx = (BLOCK_EALL - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
+            val = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            top_p = tl.where(kc[None, :] == k, val[:, None], top_p)
+            top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
+            key = tl.where(key == best[:, None], -2, key)
+    else:
+        for k in tl.static_range(TOP_K):
+            best = tl.max(p, axis=1)
+            idx = tl.min(tl.where(p == best[:, None], ea[None, :], BLOCK_EALL), axis=1)
+            top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
+            top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
+            p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
     wsum = tl.where(rl, tl.sum(top_p, axis=1), 1.0)
     w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))
     w = tl.where(valid[:, None], w, float("nan"))
@@ -79,7 +95,7 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
              stride_ir, stride_ik, stride_wr, stride_wk, n_router,
              HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
              TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-             REARM_RIN: tl.constexpr):
+             REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False):
     """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes."""
     tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
              mask=rl[:, None] & em[None, :])
@@ -89,7 +105,8 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
     if done == n_router - 1:
         _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                       stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN)
+                      HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN,
+                      PACKED)
 
 
 @triton.jit
@@ -98,7 +115,7 @@ def _router_program(
     stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls,
     HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr, PACKED: tl.constexpr = False,
 ):
     """Experts [j·BLOCK_E, (j+1)·BLOCK_E) for all live rows; the last one to finish routes.
     UNROLL_K: poll the whole router input at once instead of chunk by chunk (a chunk-by-chunk
@@ -147,7 +164,7 @@ def _router_program(
     acc = tl.where(ok != 0, acc, float("nan"))
     _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
              stride_ir, stride_ik, stride_wr, stride_wk, n_router, HIDDEN, EXPERTS, BLOCK_EALL,
-             TOP_K, BLOCK_TOPK, BLOCK_K, True)
+             TOP_K, BLOCK_TOPK, BLOCK_K, True, PACKED)
 
 
 @triton.jit

@@ -121,7 +121,7 @@ def _attn_tail_kernel(
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
-    PDL: tl.constexpr,
+    PACKED_TOPK: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -138,7 +138,7 @@ def _attn_tail_kernel(
                         stride_ir, stride_ik, stride_wr, stride_wk,
                         pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
-                        BLOCK_K, UNROLL_K)
+                        BLOCK_K, UNROLL_K, PACKED_TOPK)
 
 
 @triton.jit
@@ -340,7 +340,8 @@ def attn_tail(
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
-        num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
+        PACKED_TOPK=cfg.packed_topk, num_warps=cfg.num_warps,
+        **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out
 

@@ -284,6 +284,36 @@ def test_unrolled_router_poll(case, device):
                   twin_attn(case, d_cpu))
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.experts][:3] + [REAL],
+                         ids=lambda c: c.name)
+def test_packed_topk_finish_is_bit_identical(case, device):
+    """TailLaunch.packed_topk (one int64 max per top-k step) picks the same experts in the
+    same order with the same weights as the two-reduction finish — ties included: experts
+    1 and 2 share their router row (equal logits), so the lower index must come first."""
+    if device.type == "cpu" and case is REAL:
+        pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
+    d_cpu = make_inputs(case, 90 + CASES.index(case) if case in CASES else 99)
+    w = d_cpu["router_w"]
+    w[1] *= 6  # two tied pairs of large opposite logits: one of them tops every row
+    w[2], w[3], w[4] = w[1], -w[1], -w[1]
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    ref, _, _, _, _ = run_attn(case, d, device, base)
+    out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, packed_topk=True))
+    assert flag.item() == 0
+    assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
+    n = case.n_live
+    assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
+    assert torch.equal(out.weights.cpu()[:n], ref.weights.cpu()[:n])
+    pairs = 0
+    for r in out.ids.cpu()[:n].tolist():  # a tied pair in the top-k: adjacent, lower first
+        for lo in (1, 3):
+            if lo in r and lo + 1 in r:
+                assert r.index(lo + 1) == r.index(lo) + 1, r
+                pairs += 1
+    assert pairs >= 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("change", [dict(unroll_k=True), dict(block_k=512),
                                     dict(block_k=512, block_e=2), dict(block_k=1024, block_e=2),
