@@ -199,8 +199,9 @@ class TwinOps:
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         if isinstance(params, DeviceSampling):  # the twins run on the host: its parameters
             params = params.params
-        tok, ids, probs = t_sampler.sample_ref(logits, params, host_seed(seed), positions,
-                                                    purpose, n_live=live.n)
+        tok, ids, probs = t_sampler.sample_ref(logits, params, host_seed(seed),
+                                               positions.long(),  # the kernel takes int32 too
+                                               purpose, n_live=live.n)
         rows = logits.shape[0]
         return SampleOut(_padded(tok, rows, self.dev, -1), _padded(ids, rows, self.dev, -1),
                          _padded(probs, rows, self.dev, 0.0))

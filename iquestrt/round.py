@@ -183,9 +183,11 @@ class RoundProgram:
                     return
                 cy.last = self.row0
                 cy.nxt = cy.nxt + cy.one
-            row = cy.logits.index_select(0, cy.last)  # [1, V]: the depth's last row
-            out = ops.sample(row, st.sampling, st.seed, cy.nxt.long(), Purpose.DRAFT_SAMPLE,
-                             Live.on_device(cy.one))
+            # [1, V]: the depth's last row (row 0 after a one-row forward: a view, no launch)
+            row = (cy.logits[:1] if cy.last is self.row0
+                   else cy.logits.index_select(0, cy.last))
+            out = ops.sample(row, st.sampling, st.seed, cy.nxt, Purpose.DRAFT_SAMPLE,
+                             Live.on_device(cy.one))  # positions int32 [1]
             # y_j (clamped into the vocabulary) into d_buf[j], the served row into q_*[j]
             ops.record_draft(out, cy.one, j, self.rec, st.log, vocab=vocab, code=FAULT_TOKEN)
             if j < self.depth - 1 and self.adaptive is not None:  # run depth j + 1?
