@@ -148,6 +148,10 @@ class OpTable(Protocol):
         the draft's q (q_ids / q_probs [Db, W]): accepted count, replacement or bonus."""
 
     # --- the round's bookkeeping -----------------------------------------------------------
+    def check_flags(self, flags: Tensor, ran: Tensor, log: FaultLog, *, code: int) -> None:
+        """Record the fault (code, round, index of the first raised flag, 0) in log when a
+        flag of flags [L] int32 is raised, the round ran (ran [1] > 0) and no fault came first."""
+
     def check_logits(self, logits: Tensor, live: Live, log: FaultLog, *, code: int,
                      where: int) -> None:
         """Record the fault (code, round, where, 0) in log when a live row of logits [R, V]

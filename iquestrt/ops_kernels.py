@@ -153,6 +153,9 @@ class KernelOps:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
                                n_drafts=n_drafts.t, pdl=self.pdl)
 
+    def check_flags(self, flags, ran, log: FaultLog, *, code) -> None:
+        k_record.check_flags(flags, ran, log, code=code, pdl=self.pdl)
+
     def check_logits(self, logits, live: Live, log: FaultLog, *, code, where) -> None:
         k_record.check_logits(logits, live.t, log, code=code, where=where, pdl=self.pdl)
 

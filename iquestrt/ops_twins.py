@@ -219,6 +219,9 @@ class TwinOps:
                          torch.tensor([int(bonus)], **i32), em)
 
     # --- row parts (kernels/rows.py, kernels/draft_entry.py, kernels/eh_proj.py)
+    def check_flags(self, flags, ran, log: FaultLog, *, code) -> None:
+        t_record.check_flags_ref(flags, ran, log, code=code)
+
     def check_logits(self, logits, live: Live, log: FaultLog, *, code, where) -> None:
         t_record.check_logits_ref(logits, live.t, log, code=code, where=where)
 

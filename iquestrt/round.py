@@ -208,9 +208,7 @@ class RoundProgram:
         toks = torch.cat([st.tokens[m.long()], self.d_buf])[:R]
         logits, hidden = e.target.forward_rows(toks, _positions(m, n_t, ar), Live.on_device(n_t),
                                                caches, e.session.flags)
-        flagged = e.session.flags != 0
-        st.record_fault(flagged.any().reshape(1) & (go > 0), FAULT_READINESS,
-                        torch.argmax(flagged.int()), 0)
+        ops.check_flags(e.session.flags, go, st.log, code=FAULT_READINESS)
         ops.check_logits(logits, Live.on_device(n_t), st.log, code=FAULT_TARGET_LOGITS,
                          where=0)
         if self._host_stop():

@@ -35,7 +35,6 @@ import torch
 from kernels.sampler.values import DeviceSampling
 from reference.op_types import FaultLog, RoundState
 from reference.speculative import GenerationRequest
-from reference.twins.round_record import record_fault_ref
 
 FAULT_NONE, FAULT_READINESS, FAULT_TARGET_LOGITS, FAULT_DRAFT_LOGITS, FAULT_TOKEN = range(5)
 HEAD = ("m", "accepted", "bonus", "drafts", "emitted")
@@ -148,11 +147,6 @@ class DeviceState:
     def log(self) -> FaultLog:
         """The fault record of this round (ops.check_logits / ops.record_draft write it)."""
         return FaultLog(self.fault, self.round)
-
-    def record_fault(self, cond: torch.Tensor, code: int, where, value) -> None:
-        """Record (code, round, where, value) when cond [1] bool holds and no fault came first.
-        where/value: ints or [1] device tensors."""
-        record_fault_ref(self.log, cond, code, where, value)
 
 
 @dataclass(frozen=True)

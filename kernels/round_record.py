@@ -1,5 +1,6 @@
-"""The round program's bookkeeping in three launches (twins: reference/twins/round_record.py):
+"""The round program's bookkeeping in four kernels (twins: reference/twins/round_record.py):
 
+check_flags   one program: the readiness fault (code, round, first raised layer flag, 0).
 check_logits  one program per (row, block of V columns): a live row's block holding NaN/±inf
               records the fault (code, round, where, 0). Several programs of one launch may
               record it; they write the same four values, and each first reads code 0 (no
@@ -43,6 +44,18 @@ def _record_fault(fault_ptr, round_ptr, cond, code, where, value):
                    tl.where(i == 1, rnd, tl.where(i == 2, where.to(tl.int64),
                                                   value.to(tl.int64))))
     tl.store(fault_ptr + i, val, mask=(i < 4) & first)
+
+
+@triton.jit
+def _check_flags_kernel(flags_ptr, ran_ptr, fault_ptr, round_ptr, L, code,
+                        BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
+    i = tl.arange(0, BLOCK_L)
+    raised = tl.load(flags_ptr + i, mask=i < L, other=0) != 0
+    first = tl.min(tl.where(raised, i, BLOCK_L), axis=0)  # the first raised flag
+    bad = (first < BLOCK_L) & (tl.load(ran_ptr) > 0)
+    zero = tl.full([], 0, tl.int64)
+    _record_fault(fault_ptr, round_ptr, bad, zero + code, zero + first, zero)
 
 
 @triton.jit
@@ -151,6 +164,29 @@ def _check_log(log: FaultLog, dev) -> None:
 def _check_int(name: str, v, lo: int, hi: int) -> None:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v < hi:
         raise ValueError(f"{name}: expected an int in [{lo}, {hi}), got {v!r}")
+
+
+@twin(_twins.check_flags_ref)
+def check_flags(
+    flags: torch.Tensor,  # [L] int32 readiness flags, one per layer
+    ran: torch.Tensor,  # [1] int32: > 0 when the round ran
+    log: FaultLog,
+    *,
+    code: int,
+    pdl: bool = False,
+) -> None:
+    """Record (code, round, index of the first raised flag, 0) in log when a flag is raised,
+    the round ran and no fault came first."""
+    dev = flags.device
+    check_tensor("flags", flags, dims=1, dtypes=(torch.int32,), device=dev)
+    if flags.shape[0] < 1 or flags.stride(0) != 1:
+        raise ValueError(f"flags: expected [L ≥ 1] contiguous, got shape {tuple(flags.shape)}")
+    check_tensor("ran", ran, shape=(1,), dtypes=(torch.int32,), device=dev)
+    _check_log(log, dev)
+    _check_int("code", code, 1, 2**31)
+    _check_flags_kernel[(1,)](flags, ran, log.fault, log.round_no, flags.shape[0], code,
+                              BLOCK_L=triton.next_power_of_2(flags.shape[0]), num_warps=1,
+                              **launch_opts(pdl))
 
 
 @twin(_twins.check_logits_ref)

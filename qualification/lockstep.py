@@ -336,6 +336,12 @@ class Lockstep:
                 g, w = g.view(bits[g.dtype]), w.view(bits[w.dtype])
             self._cmp(g, w, "kernels.round_record", "int64/fp32")
 
+    def check_flags(self, flags, ran, log, *, code):
+        twin_log = FaultLog(*(t.clone() for t in log))
+        self.k.check_flags(flags, ran, log, code=code)
+        self.t.check_flags(flags, ran, twin_log, code=code)
+        self._same_record(log, twin_log)
+
     def check_logits(self, logits, live, log, *, code, where):
         """The kernel records into the round's log, the twin into a clone taken before."""
         twin_log = FaultLog(*(t.clone() for t in log))

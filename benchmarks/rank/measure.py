@@ -22,7 +22,7 @@ FAMILIES = (
     ("kv_cache", ("_write_kv", "_rollback")),
     ("sampler", ("_scan_kernel", "_merge_kernel", "_exp_kernel")),
     ("verify", ("_verify",)),
-    ("round_record", ("_check_logits", "_record_draft", "_settle_kernel")),
+    ("round_record", ("_check_flags", "_check_logits", "_record_draft", "_settle_kernel")),
     ("torch", ("at::", "void ", "Memcpy", "Memset", "memcpy", "memset")),
 )
 

@@ -31,6 +31,15 @@ def record_fault_ref(log: FaultLog, cond: torch.Tensor, code: int, where, value)
     log.fault.copy_(torch.where(first, new, log.fault))
 
 
+def check_flags_ref(flags: torch.Tensor, ran: torch.Tensor, log: FaultLog, *, code: int
+                    ) -> None:
+    """Fault (code, round, the first raised flag's index, 0) when a flag of flags [L] int32 is
+    raised and the round ran (ran [1] int32 > 0)."""
+    flagged = flags != 0
+    record_fault_ref(log, flagged.any().reshape(1) & (ran > 0), code,
+                     torch.argmax(flagged.int()), 0)
+
+
 def check_logits_ref(logits: torch.Tensor, n_live: torch.Tensor, log: FaultLog, *, code: int,
                      where: int) -> None:
     """Fault (code, round, where, 0) when a live row (< n_live [1]) of logits [R, V] holds NaN

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from iquestrt.capture import graph_capture
-from kernels.round_record import BLOCK_V, check_logits, record_draft, settle_round
+from kernels.round_record import BLOCK_V, check_flags, check_logits, record_draft, settle_round
 from reference.op_types import DraftRecord, FaultLog, RoundState, SampleOut, VerifyOut
 from reference.twins.round_record import (
+    check_flags_ref,
     check_logits_ref,
     record_draft_ref,
     record_fault_ref,
@@ -74,6 +75,25 @@ def test_check_logits(device, dtype, case):
     k, t = _check_both(device, x, n, log)
     assert k.fault.tolist() == list(want)
     assert torch.equal(k.fault, t.fault) and torch.equal(k.round_no, t.round_no)
+
+
+@pytest.mark.parametrize("layers", [1, 5, 88])
+@pytest.mark.parametrize("case", ["none", "one", "two", "not run", "earlier fault"])
+def test_check_flags(device, layers, case):
+    flags = torch.zeros(layers, dtype=torch.int32, device=device)
+    if case != "none":
+        flags[layers - 1] = 1
+        if case == "two" and layers > 2:
+            flags[2] = 7  # the first raised flag is named
+    ran = torch.tensor([0 if case == "not run" else 1], dtype=torch.int32, device=device)
+    log = _log(device, fault=(2, 3, 0, 0)) if case == "earlier fault" else _log(device)
+    k, t = _clone(log), _clone(log)
+    check_flags(flags, ran, k, code=1)
+    check_flags_ref(flags, ran, t, code=1)
+    assert torch.equal(k.fault, t.fault)
+    first = 2 if case == "two" and layers > 2 else layers - 1
+    want = {"none": [0, 0, 0, 0], "not run": [0, 0, 0, 0], "earlier fault": [2, 3, 0, 0]}
+    assert k.fault.tolist() == want.get(case, [1, 7, first, 0])
 
 
 def _sample(device, token, width, seed=1) -> SampleOut:
