@@ -59,12 +59,12 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
         key = tl.where(eam[None, :], key, -1)
         for k in tl.static_range(TOP_K):
-            best = tl.max(key, axis=1)
-            idx = (BLOCK_EALL - 1 - (best & 0xFFFFFFFF)).to(tl.int32)
-            val = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            top_p = tl.where(kc[None, :] == k, val[:, None], top_p)
-            top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
-            key = tl.where(key == best[:, None], -2, key)
+            top_key = tl.max(key, axis=1)
+            top_idx = (BLOCK_EALL - 1 - (top_key & 0xFFFFFFFF)).to(tl.int32)
+            top_val = (top_key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            top_p = tl.where(kc[None, :] == k, top_val[:, None], top_p)
+            top_i = tl.where(kc[None, :] == k, top_idx[:, None], top_i)
+            key = tl.where(key == top_key[:, None], -2, key)
     else:
         for k in tl.static_range(TOP_K):
             best = tl.max(p, axis=1)

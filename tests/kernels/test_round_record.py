@@ -8,6 +8,12 @@ Dimension letters: R rows, V vocabulary, W served width, Db draft slots.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -366,3 +372,51 @@ def test_settle_round_names_bad_input(device):
                      code=CODE)
     with pytest.raises(ValueError, match="s.m"):
         settle_round(v, kd, hidden, rec, s._replace(m=s.m.long()), vocab=VOCAB, code=CODE)
+
+
+# --- compiled for the H200 ------------------------------------------------------------------------
+def _compile_sm90() -> dict[str, int]:
+    """Compile the four kernels for sm_90 (Triton's bundled ptxas, no GPU) → PTX lines each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import kernels.round_record as K
+
+    types = {"x_ptr": "*fp32", "probs_ptr": "*fp32", "qp_ptr": "*fp32", "lqp_ptr": "*fp32",
+             "hid_ptr": "*bf16", "sh_ptr": "*bf16", "fault_ptr": "*i64", "tok_ptr": "*i64",
+             "ids_ptr": "*i64", "qi_ptr": "*i64", "d_ptr": "*i64", "next_ptr": "*i64",
+             "vem_ptr": "*i64", "stop_ptr": "*i64", "lem_ptr": "*i64", "ldr_ptr": "*i64",
+             "lqi_ptr": "*i64"}
+    consts = {"BLOCK": K.BLOCK_V, "BLOCK_L": 128, "BLOCK_W": 32, "H": 3072, "BLOCK_R": 8,
+              "BLOCK_HC": 512, "BLOCK_S": 4, "BLOCK_DB": 8, "BLOCK_DBW": 256, "PDL": False}
+    out = {}
+    for fn in (K._check_flags_kernel, K._check_logits_kernel, K._record_draft_kernel,
+               K._settle_kernel):
+        sig = {n: "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr")
+                                                              else "i32")
+               for n in fn.arg_names}
+        src = ASTSource(fn=fn, signature=sig, constexprs={n: consts[n] for n in fn.arg_names
+                                                           if n in consts})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        out[fn.__name__] = k.asm["ptx"].count("\n")
+    return out
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    """The interpreter runs them above; the compiler types every branch (a constexpr flag left
+    a runtime value, a select of mismatched types): compiled in a fresh process."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    res = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(lines) == {"_check_flags_kernel", "_check_logits_kernel",
+                          "_record_draft_kernel", "_settle_kernel"}
+    assert all(n > 20 for n in lines.values()), lines
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_sm90()))

@@ -670,9 +670,11 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
               "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router, unroll in ((True, False), (True, True), (False, False)):
+    for router, unroll, packed in ((True, False, False), (True, True, False),
+                                   (True, False, True), (False, False, False)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
-        stats[f"attn_router{router}" + ("_unrolled" if unroll else "")] = build(
+        stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
+              + ("_packed" if packed else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
                                            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
@@ -680,7 +682,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
-                "REARM_PARTS": 1, "PDL": False},
+                "REARM_PARTS": 1, "PACKED_TOPK": packed, "PDL": False},
             cfg.num_warps)
     for quant in (False, True):  # the quantizing MoE tail reads its partials through a table
         table = {"part_ptr": "*i64"} if quant else {}
