@@ -2,6 +2,7 @@
 GPU, against the HBM floor and against the simplest torch formulation of the same op.
 
     python -m benchmarks.bench_moe --rows 1 4 6 8 --json bench_moe.json
+    python -m benchmarks.bench_moe --rows 1 6 8 --ab silu_in_down   # a MoeLaunch flag A/B
 
 Per row count: routing with a chosen number of distinct experts (defaults: independent top-8 of
 256, 256·(1 − (31/32)^R) distinct: 8.0 / 30.5 / 44.4 / 57.4 at R = 1 / 4 / 6 / 8 rows), checked
@@ -29,6 +30,7 @@ from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
+AB_FLAGS = ("silu_in_down", "fold_silu", "fold_combine")  # MoeLaunch flags --ab may flip
 DEFAULT_DISTINCT = ((1, 8), (2, 16), (4, 30), (6, 44), (8, 57))  # (rows, distinct experts)
 
 
@@ -181,9 +183,10 @@ def must_move_bytes(spec: BenchSpec) -> int:
 
 
 def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: bool,
-              fold_ab: bool = False) -> dict:
-    """fold_ab: also time the other settings of MoeLaunch.fold_silu / fold_combine, the graphs
-    replayed alternately; kernel_us stays the pinned launch's time."""
+              fold_ab: bool = False, ab: tuple[str, ...] = ()) -> dict:
+    """fold_ab: also time the other settings of MoeLaunch.fold_silu / fold_combine; ab: each
+    named MoeLaunch flag flipped from its pinned value; the graphs replayed alternately;
+    kernel_us stays the pinned launch's time."""
     dev = torch.device("cuda")
     p = build_problem(spec, dev)
     from kernels.moe import MoeScratch, moe_launch
@@ -199,6 +202,9 @@ def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: 
             if (silu, combine) != (pinned.fold_silu, pinned.fold_combine):
                 variants[f"fold_silu={int(silu)},fold_combine={int(combine)}"] = (
                     dataclasses.replace(pinned, fold_silu=silu, fold_combine=combine))
+    for flag in ab:
+        variants[f"{flag}={int(not getattr(pinned, flag))}"] = dataclasses.replace(
+            pinned, **{flag: not getattr(pinned, flag)})
     calls = {name: [kernel_call(p, j, j % p.sets, out, cfg, scratch)
                     for j in range(max(p.sets, spec.copies))] for name, cfg in variants.items()}
     cycled = min(spec.experts, spec.distinct * p.sets) * spec.copies
@@ -236,6 +242,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--fold-ab", action="store_true",
                     help="also time the other MoeLaunch.fold_silu / fold_combine settings, "
                          "replays alternating")
+    ap.add_argument("--ab", nargs="+", default=[], metavar="FLAG", choices=AB_FLAGS,
+                    help="also time each MoeLaunch flag flipped, replays alternating "
+                         f"({', '.join(AB_FLAGS)})")
     ap.add_argument("--json", type=Path, default=Path("bench_moe.json"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -248,14 +257,14 @@ def main(argv=None) -> list[dict]:
     for r, d in zip(args.rows, distinct, strict=True):
         spec = BenchSpec(rows=r, distinct=d, copies=args.copies, seed=args.seed)
         row = bench_one(spec, args.reps, args.trials, args.warmup, not args.no_torch,
-                        args.fold_ab)
+                        args.fold_ab, tuple(args.ab))
         rows.append(row)
         print(f"rows={r} distinct={d}: {row['kernel_us']:.1f} µs, {row['must_move_MB']:.1f} MB, "
               f"{row['achieved_TBps']:.2f} TB/s ({row['frac_of_4_24']:.0%} of 4.24)"
               + (f", torch {row['torch_us']:.1f} µs ({row['torch_over_kernel']:.1f}×)"
                  if "torch_us" in row else "")
               + "".join(f", {k[:-3]} {v:.1f} µs" for k, v in row.items()
-                        if k.startswith("fold_silu=") and k.endswith("_us"))
+                        if k.endswith("_us") and "=" in k)
               + f"\n   check: {row['kernel_vs_twin']}")
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:

@@ -66,9 +66,22 @@ def quantize_groups(x):
     group), q = RNE(clamp(x / scale, ±448)); both divisions IEEE-rounded (`/` may be approximate
     on the GPU).
     """
-    amax = tl.max(tl.abs(x), axis=1)  # [G]
+    return _quantize_along(x, 1)
+
+
+@triton.jit
+def quantize_cols(x):
+    """x fp32 [128, C]: one 128-value group per column (the transposed layout of an MMA operand)
+    → (E4M3 [128, C], fp32 scales [C]); the same operations as quantize_groups."""
+    return _quantize_along(x, 0)
+
+
+@triton.jit
+def _quantize_along(x, AXIS: tl.constexpr):
+    """Groups of 128 along AXIS of a 2-D x; see quantize_groups."""
+    amax = tl.max(tl.abs(x), axis=AXIS)
     scale = tl.where(amax > 0.0, tl.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-    y = tl.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
+    y = tl.div_rn(x, tl.broadcast_to(tl.expand_dims(scale, AXIS), x.shape))
     y = tl.minimum(tl.maximum(y, -448.0), 448.0)
     return e4m3_rne(y).to(tl.float8e4nv), scale
 

@@ -31,6 +31,9 @@ Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is rea
      it inside launch 2 instead, by the last of an expert's programs to arrive on its counter
      (`_fold_silu`, a MoeScratch the op table keeps): the same operations in the same order,
      the same bits, one launch fewer — and slower on the H200 (kernels/moe_launch.py), so off.
+     MoeLaunch.silu_in_down instead recomputes it in launch 4: each down program sums its
+     rows' partials for the 128-column groups of its K loop and quantizes them (`_silu_cols`,
+     transposed); no counters, no program waits for another.
   4. down: grid (S, ⌈H/BN⌉), same expert dedup; writes each slot's FP32 expert output [H].
   5. combine: out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding; grid
      (R, ⌈H/BH⌉). MoeLaunch.fold_combine runs it inside launch 4, by the K-th down program to
@@ -54,7 +57,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import check_quantized, check_tensor, live_count
-from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act, quantize_groups
+from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act, quantize_cols, quantize_groups
 from kernels.launch import launch_opts, pdl_enter
 from kernels.moe_launch import MoeLaunch, moe_launch
 from kernels.twin import twin
@@ -224,15 +227,20 @@ def _moe_silu_kernel(
 @triton.jit
 def _moe_down_kernel(
     aq_ptr, as_ptr, ids_ptr, n_live_ptr, proj_ptr, ps_ptr, y_ptr,
-    w_ptr, out_ptr, cnt_ptr,
+    w_ptr, out_ptr, cnt_ptr, gu_ptr,
     R, H: tl.constexpr, I: tl.constexpr,
     stride_aqr, stride_asr, stride_ir, stride_ik,
     stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_yr,
-    stride_wr, stride_wk, stride_or,
+    stride_wr, stride_wk, stride_or, stride_gj, stride_gs,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FOLD: tl.constexpr,
-    OUT_BF16: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Launch 4 on aq, sa (launch 3's output) — or, SILU, on the gate/up partials gu [KS, S, 2I]
+    themselves: each program computes its rows' SiLU(gate)·up and quantization for every
+    128-column group of its K loop (`_silu_cols`, the operations of `_silu_slot`), so launch 3
+    does not run. Every hidden tile of an expert recomputes the same few values from L2; no
+    program waits for another."""
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
@@ -252,9 +260,12 @@ def _moe_down_kernel(
     for i0 in range(0, I, 128):
         ii = i0 + tl.arange(0, 128)
         im = ii < I
-        aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                     mask=im[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
-        sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)  # [BR]
+        if SILU:
+            aq, sa = _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I, KS)
+        else:
+            aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                         mask=im[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
+            sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)  # [BR]
         w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
                     mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
         sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm, other=0.0)
@@ -265,6 +276,24 @@ def _moe_down_kernel(
         _fold_combine(y_ptr, w_ptr, out_ptr, cnt_ptr, ids_ptr, e, n_live, h, hm, stride_yr,
                       stride_wr, stride_wk, stride_or, stride_ir, stride_ik, K, K_PAD, BLOCK_R,
                       OUT_BF16)
+
+
+@triton.jit
+def _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I: tl.constexpr,
+               KS: tl.constexpr):
+    """One 128-column group ii of the rows' intermediate, transposed: for each row (column of
+    the result) its slot src's a = SiLU(Σ_j gate_j)·(Σ_j up_j), partials added in j order, then
+    quantized — `_silu_slot`'s operations on [128, BR] instead of [G, 128], so the same bits
+    → (E4M3 [128, BR], scales [BR]). Rows not routed here: a = 0, scale 1 (never stored)."""
+    m = im[:, None] & uses[None, :]
+    g = tl.zeros((ii.shape[0], src.shape[0]), tl.float32)
+    u = tl.zeros((ii.shape[0], src.shape[0]), tl.float32)
+    for j in tl.static_range(KS):
+        p = gu_ptr + j * stride_gj + src[None, :] * stride_gs + ii[:, None]  # [128, BR]
+        g += tl.load(p, mask=m, other=0.0)
+        u += tl.load(p + I, mask=m, other=0.0)
+    a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    return quantize_cols(a)
 
 
 @triton.jit
@@ -422,16 +451,21 @@ def _scratch(scratch: MoeScratch | None, fold: bool, device) -> MoeScratch | Non
 
 
 def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
-                  scratch: MoeScratch | None = None) -> None:
+                  scratch: MoeScratch | None = None, silu: bool = True) -> torch.Tensor:
     """Launch 2, then 3 (or 3 inside 2, cfg.fold_silu): the K-split partials, then SiLU(gate)·up
-    per live slot into a (FP32) or, quantized, into (aq, sa)."""
+    per live slot into a (FP32) or, quantized, into (aq, sa). silu False: launch 2 only (the
+    down launch computes SiLU·up itself, cfg.silu_in_down). → the partials [KS, S, 2I]."""
     cfg, r, k, inter = g.cfg, g.rows, g.k, g.inter
     ks = cfg.k_splits(g.hidden)
     part = torch.empty(ks, r * k, 2 * inter, dtype=torch.float32, device=g.xq.device)
     quant = a is None
     dummy = part
-    a_, aq_, sa_ = (dummy, aq, sa) if quant else (a, dummy, dummy)
-    strides = (0, aq.stride(0), sa.stride(0)) if quant else (a.stride(0), 0, 0)
+    if not silu:
+        a_, aq_, sa_, strides = dummy, dummy, dummy, (0, 0, 0)
+    elif quant:
+        a_, aq_, sa_, strides = dummy, aq, sa, (0, aq.stride(0), sa.stride(0))
+    else:
+        a_, aq_, sa_, strides = a, dummy, dummy, (a.stride(0), 0, 0)
     groups = triton.next_power_of_2(blocks(inter))
     sc = _scratch(scratch, cfg.fold_silu, g.xq.device)
     _moe_gate_up_kernel[(r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)](
@@ -445,13 +479,14 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         QUANT=quant,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
     )
-    if sc is not None:
-        return
+    if sc is not None or not silu:
+        return part
     _moe_silu_kernel[(r * k,)](
         part, g.n, a_, aq_, sa_, r, part.stride(0), part.stride(1), *strides,
         I=inter, K=k, KS=ks, GROUPS=groups, QUANT=quant,
         num_warps=cfg.num_warps, **launch_opts(g.pdl),
     )
+    return part
 
 
 @twin(_twins.moe_gate_up_fp8_ref)
@@ -522,10 +557,12 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
     return _Down(weights, ids, proj, proj_scale_inv, n, out, cfg, pdl)
 
 
-def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor,
-                  scratch: MoeScratch | None = None) -> torch.Tensor:
+def _down_combine(d: _Down, aq: torch.Tensor | None, sa: torch.Tensor | None,
+                  scratch: MoeScratch | None = None,
+                  part: torch.Tensor | None = None) -> torch.Tensor:
     """Launches 4 and 5 (or 5 inside 4, cfg.fold_combine) on the quantized intermediate
-    aq [S, I] E4M3, sa [S, ⌈I/128⌉]."""
+    aq [S, I] E4M3, sa [S, ⌈I/128⌉] — or, given the gate/up partials part [KS, S, 2I]
+    (cfg.silu_in_down), on those: aq and sa are then None."""
     r, k = d.weights.shape
     hidden, inter = d.proj.shape[1], d.proj.shape[2]
     cfg, out = d.cfg, d.out
@@ -534,14 +571,19 @@ def _down_combine(d: _Down, aq: torch.Tensor, sa: torch.Tensor,
     fold = cfg.fold_combine
     sc = _scratch(scratch, fold, out.device)
     bf16 = out.dtype == torch.bfloat16
+    silu = part is not None
+    aq, sa = (y, y) if silu else (aq, sa)  # unread pointers when silu
+    gu = part if silu else y
     _moe_down_kernel[(r * k, tiles)](
         aq, sa, d.ids, d.n, d.proj, d.proj_scale_inv, y, d.weights, out,
-        y if sc is None else sc.counters[MAX_SLOTS:], r, hidden, inter,
+        y if sc is None else sc.counters[MAX_SLOTS:], gu, r, hidden, inter,
         aq.stride(0), sa.stride(0), d.ids.stride(0), d.ids.stride(1),
         *d.proj.stride(), *d.proj_scale_inv.stride(), y.stride(0),
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
+        gu.stride(0) if silu else 0, gu.stride(1) if silu else 0,
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
-        BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, FOLD=fold, OUT_BF16=bf16,
+        BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, FOLD=fold, SILU=silu,
+        KS=part.shape[0] if silu else 1, OUT_BF16=bf16,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )
     if fold:
@@ -614,10 +656,13 @@ def moe_fp8(
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
     g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl)
     d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl)
+    if scratch is None and (g.cfg.fold_silu or g.cfg.fold_combine):
+        scratch = MoeScratch.create(x.device)
+    if g.cfg.silu_in_down:
+        part = _gate_up_silu(g, scratch=scratch, silu=False)
+        return _down_combine(d, None, None, scratch, part=part)
     s = g.rows * g.k
     aq = torch.empty(s, g.inter, dtype=E4M3, device=x.device)
     sa = torch.empty(s, blocks(g.inter), dtype=torch.float32, device=x.device)
-    if scratch is None and (g.cfg.fold_silu or g.cfg.fold_combine):
-        scratch = MoeScratch.create(x.device)
     _gate_up_silu(g, aq=aq, sa=sa, scratch=scratch)
     return _down_combine(d, aq, sa, scratch)

@@ -25,6 +25,10 @@ class MoeLaunch:
     # _fold_combine): same bits, fewer launches, but slower on the H200 — see moe_launch
     fold_silu: bool = False
     fold_combine: bool = False
+    # launch 3 recomputed inside launch 4: each down program makes its rows' SiLU·up and
+    # quantization from the gate/up partials (kernels/moe.py _silu_cols): the same bits, no
+    # launch 3 and no counters
+    silu_in_down: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -35,6 +39,9 @@ class MoeLaunch:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 1, got {v}")
+        if self.fold_silu and self.silu_in_down:
+            raise ValueError("MoeLaunch: fold_silu and silu_in_down both move launch 3; set "
+                             "at most one")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from iquestrt.capture import graph_capture
+from kernels import moe as moe_module
 from kernels.fp8 import E4M3
 from kernels.moe import (
     COUNTERS,
@@ -306,6 +307,53 @@ def test_folded_silu_gives_the_unfolded_bits(case, device):
     assert int(scratch.counters.abs().sum()) == 0
 
 
+SILU_IN_DOWN_CASES = (CASES[4], CASES[6], CASES[7])  # odd-5of6, rank-like-6of8, h200-launch
+
+
+@pytest.mark.parametrize("case", SILU_IN_DOWN_CASES, ids=lambda c: c.name)
+def test_silu_in_down_gives_the_separate_launches_bits(case, device, monkeypatch):
+    """SiLU·up and its quantization recomputed by every down program from the gate/up partials
+    (MoeLaunch.silu_in_down) == launch 3 then launch 4, bit for bit: K splits of 1 and of 6
+    blocks, I = 96 and 192 (a group straddling gate/up, a partial second K block of down), 5 or
+    6 of 6–8 rows; with the folded combine too. Launch 3 does not run (it would raise here)."""
+    d = to_dev(make_inputs(case, 41), device)
+    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    n = case.n_live
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    out = moe_fp8(*args, config=cfg)[:n].cpu()
+    check(out, moe_fp8_ref(*(t.cpu() for t in args))[:n], "kernels.moe.e2e", "bf16")
+    want = out.view(torch.int16)
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("launch 3 (_moe_silu_kernel) ran")
+
+    monkeypatch.setattr(moe_module, "_moe_silu_kernel", NoLaunch())
+    for combine in (False, True):
+        on = dataclasses.replace(cfg, silu_in_down=True, fold_combine=combine)
+        got = moe_fp8(*args, config=on)[:n].cpu().view(torch.int16)
+        assert torch.equal(got, want), f"fold_combine={combine}"
+
+
+def test_silu_in_down_differs_when_its_inputs_do(device):
+    """The recomputed path reads what it must: gate/up scale of one routed expert doubled →
+    other bits (the comparison above is not vacuous); and the flag is refused together with
+    fold_silu (both move launch 3)."""
+    case = CASES[6]
+    d = to_dev(make_inputs(case, 42), device)
+    cfg = dataclasses.replace(moe_launch(case.hidden, case.inter, torch.device(device).type),
+                              silu_in_down=True)
+    n = case.n_live
+    args = [d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n]
+    want = moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16)
+    fc_s = d.fc_s.clone()
+    fc_s[int(d.ids[0, 0])] *= 2
+    args[4] = fc_s
+    assert not torch.equal(moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16), want)
+    with pytest.raises(ValueError, match="fold_silu and silu_in_down"):
+        MoeLaunch(32, 64, 128, fold_silu=True, silu_in_down=True)
+
+
 @pytest.mark.slow
 def test_folded_silu_needs_clean_counters(device):
     """The invariant matters: counters left one arrival ahead make each expert's SiLU and each
@@ -532,12 +580,20 @@ out = {
         dict(num_warps=cfg.num_warps), ["p_ptr", "aq_ptr", "as_ptr", "stride_pj", "stride_ps"]),
     "down": build(moe._moe_down_kernel,
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
-             y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32),
+             y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32, gu_ptr=f32),
         dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=True,
-             OUT_BF16=False),
+             SILU=False, KS=1, OUT_BF16=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "as_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "stride_aqr", "stride_pe",
          "stride_pn", "stride_yr"]),
+    "down_silu": build(moe._moe_down_kernel,
+        dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
+             y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32, gu_ptr=f32),
+        dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=False,
+             SILU=True, KS=cfg.k_splits(3072), OUT_BF16=False),
+        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+        ["ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "gu_ptr", "stride_pe", "stride_pn",
+         "stride_yr", "stride_gj", "stride_gs"]),
     "combine": build(moe._moe_combine_kernel,
         dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
         dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
@@ -565,6 +621,11 @@ def test_moe_kernels_compile_for_sm90():
     assert got["gate_up"]["ld.volatile.global"] > 0  # the partials other programs wrote
     # and the combine into down: one counter per live row routed to the expert, volatile y
     assert got["down"]["atom.global.gpu.acq_rel"] == 1 and got["down"]["ld.volatile.global"] > 0
+    # SiLU recomputed in down: its exp is there, the weights still stream through cp.async into
+    # tensor-core MMAs, and nothing waits on another program
+    ds = got["down_silu"]
+    assert ds["ex2"] > 0 and ds["cp.async"] > 0 and ds["wgmma"] + ds["mma.sync"] > 0
+    assert ds["atom.global.gpu.acq_rel"] == 0 and ds["ld.volatile.global"] == 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -605,6 +666,30 @@ def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
         torch.cuda.synchronize()
         assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
     assert int(scratch.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_moe_tp8_silu_in_down_gives_the_separate_bits(n_live, device):
+    """The pinned TP8 launch with SiLU recomputed in down (4 K splits, I = 192) == launches 3
+    and 4, bit for bit, over 10 graph replays."""
+    case = Case(f"tp8-silu-down-{n_live}of8", **TP8, rows=8, n_live=n_live)
+    d = to_dev(make_inputs(case, 620 + n_live), device)
+    cfg = moe_launch(3072, 192)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args, config=dataclasses.replace(cfg, silu_in_down=False))
+    want = want[:n_live].view(torch.int16).clone()
+    on = dataclasses.replace(cfg, silu_in_down=True)
+    out = poisoned((8, 3072), torch.bfloat16, device)
+    moe_fp8(*args, config=on, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        moe_fp8(*args, config=on, out=out)
+    for i in range(10):
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
 
 
 @pytest.mark.gpu
