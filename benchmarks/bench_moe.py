@@ -182,11 +182,35 @@ def must_move_bytes(spec: BenchSpec) -> int:
     return spec.distinct * per_expert + 2 * 2 * spec.rows * h  # + x read, out written (bf16)
 
 
+def parse_variant(text: str, pinned) -> tuple[str, object]:
+    """"down_rows=1,down_block_n=128" → (that text, the pinned MoeLaunch with those fields);
+    bool fields take 0/1, int fields ints; an unknown field or bad value raises SystemExit
+    naming it."""
+    fields = {f.name: f.type for f in dataclasses.fields(pinned)}
+    changes = {}
+    for part in text.split(","):
+        key, eq, value = part.strip().partition("=")
+        if not eq or key not in fields:
+            raise SystemExit(f"--variant {text!r}: {part!r} is not FIELD=VALUE with FIELD one of "
+                             f"{', '.join(fields)}")
+        old = getattr(pinned, key)
+        try:
+            changes[key] = bool(int(value)) if isinstance(old, bool) else int(value)
+        except ValueError:
+            raise SystemExit(f"--variant {text!r}: {key} takes an integer, got {value!r}") from None
+    try:
+        return text, dataclasses.replace(pinned, **changes)
+    except ValueError as e:
+        raise SystemExit(f"--variant {text!r}: {e}") from None
+
+
 def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: bool,
-              fold_ab: bool = False, ab: tuple[str, ...] = ()) -> dict:
+              fold_ab: bool = False, ab: tuple[str, ...] = (),
+              variants_text: tuple[str, ...] = ()) -> dict:
     """fold_ab: also time the other settings of MoeLaunch.fold_silu / fold_combine; ab: each
-    named MoeLaunch flag flipped from its pinned value; the graphs replayed alternately;
-    kernel_us stays the pinned launch's time."""
+    named MoeLaunch flag flipped from its pinned value; variants_text: MoeLaunch field changes
+    (parse_variant); the graphs replayed alternately; kernel_us stays the pinned launch's
+    time."""
     dev = torch.device("cuda")
     p = build_problem(spec, dev)
     from kernels.moe import MoeScratch, moe_launch
@@ -205,6 +229,9 @@ def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: 
     for flag in ab:
         variants[f"{flag}={int(not getattr(pinned, flag))}"] = dataclasses.replace(
             pinned, **{flag: not getattr(pinned, flag)})
+    for text in variants_text:
+        name, cfg = parse_variant(text, pinned)
+        variants[name] = cfg
     calls = {name: [kernel_call(p, j, j % p.sets, out, cfg, scratch)
                     for j in range(max(p.sets, spec.copies))] for name, cfg in variants.items()}
     cycled = min(spec.experts, spec.distinct * p.sets) * spec.copies
@@ -245,8 +272,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ab", nargs="+", default=[], metavar="FLAG", choices=AB_FLAGS,
                     help="also time each MoeLaunch flag flipped, replays alternating "
                          f"({', '.join(AB_FLAGS)})")
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=V,…",
+                    help="also time the pinned MoeLaunch with these fields changed (repeatable), "
+                         "e.g. down_rows=1,silu_in_down=1,down_block_n=128")
     ap.add_argument("--json", type=Path, default=Path("bench_moe.json"))
     args = ap.parse_args(argv)
+    from kernels.moe_launch import moe_launch
+
+    for text in args.variant:  # bad specs are refused before any GPU work
+        parse_variant(text, moe_launch(3072, 192))
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe: needs a CUDA GPU")
     table = dict(DEFAULT_DISTINCT)
@@ -257,7 +291,7 @@ def main(argv=None) -> list[dict]:
     for r, d in zip(args.rows, distinct, strict=True):
         spec = BenchSpec(rows=r, distinct=d, copies=args.copies, seed=args.seed)
         row = bench_one(spec, args.reps, args.trials, args.warmup, not args.no_torch,
-                        args.fold_ab, tuple(args.ab))
+                        args.fold_ab, tuple(args.ab), tuple(args.variant))
         rows.append(row)
         print(f"rows={r} distinct={d}: {row['kernel_us']:.1f} µs, {row['must_move_MB']:.1f} MB, "
               f"{row['achieved_TBps']:.2f} TB/s ({row['frac_of_4_24']:.0%} of 4.24)"

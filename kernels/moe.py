@@ -34,6 +34,10 @@ Launches (all grids fixed by R, so one CUDA graph serves every n ≤ R; n is rea
      MoeLaunch.silu_in_down instead recomputes it in launch 4: each down program sums its
      rows' partials for the 128-column groups of its K loop and quantizes them (`_silu_cols`,
      transposed); no counters, no program waits for another.
+  4+5. MoeLaunch.down_rows: one row-major launch, grid (R, ⌈H/BN⌉): program (r, t) runs tile t
+     of row r's K experts' down GEMMs in k order and sums them in registers
+     (`_moe_down_rows_kernel`): no y, no combine launch, no counters, the same bits — but no
+     expert dedup (an expert shared by rows is streamed by each; L2 serves the repeats).
   4. down: grid (S, ⌈H/BN⌉), same expert dedup; writes each slot's FP32 expert output [H].
   5. combine: out[r] = Σ_k w[r, k] · y[r·K + k], FP32 in k order, one rounding; grid
      (R, ⌈H/BH⌉). MoeLaunch.fold_combine runs it inside launch 4, by the K-th down program to
@@ -294,6 +298,61 @@ def _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I: tl.constexpr,
         u += tl.load(p + I, mask=m, other=0.0)
     a = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
     return quantize_cols(a)
+
+
+@triton.jit
+def _moe_down_rows_kernel(
+    aq_ptr, as_ptr, gu_ptr, ids_ptr, n_live_ptr, proj_ptr, ps_ptr, w_ptr, out_ptr,
+    R, H: tl.constexpr, I: tl.constexpr,
+    stride_aqr, stride_asr, stride_gj, stride_gs, stride_ir, stride_ik,
+    stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk,
+    stride_wr, stride_wk, stride_or,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
+):
+    """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
+    K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
+    combine without y in memory and without counters. Each slot's operand sits in column r of
+    the MMA's narrow side (where `_moe_down_kernel` puts row r), the other columns 0, so y_k is
+    that kernel's y bit for bit and the sum is `_combine_row`'s. An expert routed to several
+    rows is streamed by each of their programs (from L2 after the first: no dedup). SILU: the
+    operand from the gate/up partials (`_silu_cols`), else aq, sa."""
+    pdl_enter(PDL)
+    r = tl.program_id(0)
+    if r >= tl.minimum(tl.load(n_live_ptr), R):
+        return
+    h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden channels
+    hm = h < H
+    col = tl.arange(0, BLOCK_R)
+    mine = col == r  # [BR] the operand's column
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
+        s = r * K + kk
+        e = tl.load(ids_ptr + r * stride_ir + kk * stride_ik)
+        w_e = proj_ptr + e.to(tl.int64) * stride_pe
+        s_e = ps_ptr + e.to(tl.int64) * stride_se
+        src = tl.where(mine, s, -1)  # [BR]
+        acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+        for i0 in tl.static_range(0, I, 128):
+            ii = i0 + tl.arange(0, 128)
+            im = ii < I
+            if SILU:
+                aq, sa = _silu_cols(gu_ptr, src, mine, ii, im, stride_gj, stride_gs, I, KS)
+            else:
+                aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                             mask=im[:, None] & mine[None, :], other=0.0)  # [128, BR] E4M3
+                sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=mine, other=0.0)
+            wt = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
+                         mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+            sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm,
+                         other=0.0)
+            acc += tl.dot(wt.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
+        y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
+        out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
+    if OUT_BF16:
+        tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
+    else:
+        tl.store(out_ptr + r * stride_or + h, out, mask=hm)
 
 
 @triton.jit
@@ -566,6 +625,9 @@ def _down_combine(d: _Down, aq: torch.Tensor | None, sa: torch.Tensor | None,
     r, k = d.weights.shape
     hidden, inter = d.proj.shape[1], d.proj.shape[2]
     cfg, out = d.cfg, d.out
+    if cfg.down_rows:
+        _down_rows(d, aq, sa, part)
+        return out
     y = torch.empty(r * k, hidden, dtype=torch.float32, device=out.device)  # [S, H] per slot
     tiles = triton.cdiv(hidden, cfg.down_block_n)
     fold = cfg.fold_combine
@@ -594,6 +656,26 @@ def _down_combine(d: _Down, aq: torch.Tensor | None, sa: torch.Tensor | None,
         num_warps=cfg.num_warps, **launch_opts(d.pdl),
     )
     return out
+
+
+def _down_rows(d: _Down, aq, sa, part) -> None:
+    """Launches 4 + 5 as `_moe_down_rows_kernel`, grid (R, ⌈H/BN⌉)."""
+    r, k = d.weights.shape
+    hidden, inter = d.proj.shape[1], d.proj.shape[2]
+    cfg, out = d.cfg, d.out
+    silu = part is not None
+    aq, sa = (part, part) if silu else (aq, sa)  # unread pointers when silu
+    gu = part if silu else aq
+    _moe_down_rows_kernel[(r, triton.cdiv(hidden, cfg.down_block_n))](
+        aq, sa, gu, d.ids, d.n, d.proj, d.proj_scale_inv, d.weights, out, r, hidden, inter,
+        0 if silu else aq.stride(0), 0 if silu else sa.stride(0),
+        gu.stride(0) if silu else 0, gu.stride(1) if silu else 0,
+        d.ids.stride(0), d.ids.stride(1), *d.proj.stride(), *d.proj_scale_inv.stride(),
+        d.weights.stride(0), d.weights.stride(1), out.stride(0),
+        K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
+        KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
+    )
 
 
 @twin(_twins.moe_down_fp8_ref)

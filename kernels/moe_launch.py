@@ -29,6 +29,11 @@ class MoeLaunch:
     # quantization from the gate/up partials (kernels/moe.py _silu_cols): the same bits, no
     # launch 3 and no counters
     silu_in_down: bool = False
+    # launches 4 and 5 as one row-major launch: program (row, hidden tile) walks the row's K
+    # experts and sums in registers (kernels/moe.py _moe_down_rows_kernel): the same bits, no
+    # y buffer, no counters; an expert shared by rows is streamed once per row (L2 after the
+    # first)
+    down_rows: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -41,6 +46,9 @@ class MoeLaunch:
                 raise ValueError(f"MoeLaunch.{name}: expected a power of two >= 1, got {v}")
         if self.fold_silu and self.silu_in_down:
             raise ValueError("MoeLaunch: fold_silu and silu_in_down both move launch 3; set "
+                             "at most one")
+        if self.fold_combine and self.down_rows:
+            raise ValueError("MoeLaunch: fold_combine and down_rows both move launch 5; set "
                              "at most one")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "

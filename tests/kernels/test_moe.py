@@ -308,14 +308,28 @@ def test_folded_silu_gives_the_unfolded_bits(case, device):
 
 
 SILU_IN_DOWN_CASES = (CASES[4], CASES[6], CASES[7])  # odd-5of6, rank-like-6of8, h200-launch
+# (silu_in_down, fold_combine, down_rows): the launches that move, alone and together
+MOVED = ((True, False, False), (True, True, False), (False, False, True), (True, False, True))
+
+
+class NoLaunch:
+    """A kernel that must not be launched: indexing it with a grid fails the test."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getitem__(self, grid):
+        raise AssertionError(f"{self.name} ran")
 
 
 @pytest.mark.parametrize("case", SILU_IN_DOWN_CASES, ids=lambda c: c.name)
-def test_silu_in_down_gives_the_separate_launches_bits(case, device, monkeypatch):
+def test_moved_launches_give_the_separate_launches_bits(case, device, monkeypatch):
     """SiLU·up and its quantization recomputed by every down program from the gate/up partials
-    (MoeLaunch.silu_in_down) == launch 3 then launch 4, bit for bit: K splits of 1 and of 6
-    blocks, I = 96 and 192 (a group straddling gate/up, a partial second K block of down), 5 or
-    6 of 6–8 rows; with the folded combine too. Launch 3 does not run (it would raise here)."""
+    (MoeLaunch.silu_in_down), and down + combine as one row-major launch (down_rows), alone,
+    together and with the folded combine == launches 3, 4, 5 one after another, bit for bit:
+    K splits of 1 and of 6 blocks, I = 96 and 192 (a group straddling gate/up, a partial second
+    K block of down), 5 or 6 of 6–8 rows. The launches a variant replaces do not run (they
+    raise here)."""
     d = to_dev(make_inputs(case, 41), device)
     cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
     n = case.n_live
@@ -323,35 +337,61 @@ def test_silu_in_down_gives_the_separate_launches_bits(case, device, monkeypatch
     out = moe_fp8(*args, config=cfg)[:n].cpu()
     check(out, moe_fp8_ref(*(t.cpu() for t in args))[:n], "kernels.moe.e2e", "bf16")
     want = out.view(torch.int16)
+    for silu, combine, rows in MOVED:
+        with monkeypatch.context() as mp:
+            if silu:
+                mp.setattr(moe_module, "_moe_silu_kernel", NoLaunch("launch 3 (SiLU)"))
+            if rows:
+                mp.setattr(moe_module, "_moe_down_kernel", NoLaunch("launch 4 (down)"))
+                mp.setattr(moe_module, "_moe_combine_kernel", NoLaunch("launch 5 (combine)"))
+            on = dataclasses.replace(cfg, silu_in_down=silu, fold_combine=combine,
+                                     down_rows=rows)
+            got = moe_fp8(*args, config=on)[:n].cpu().view(torch.int16)
+        assert torch.equal(got, want), f"silu_in_down={silu} fold_combine={combine} rows={rows}"
 
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("launch 3 (_moe_silu_kernel) ran")
 
-    monkeypatch.setattr(moe_module, "_moe_silu_kernel", NoLaunch())
-    for combine in (False, True):
-        on = dataclasses.replace(cfg, silu_in_down=True, fold_combine=combine)
-        got = moe_fp8(*args, config=on)[:n].cpu().view(torch.int16)
-        assert torch.equal(got, want), f"fold_combine={combine}"
+def test_down_rows_stage_two_and_fp32_out(device):
+    """The stage-2 API (moe_down_fp8 on a given FP32 intermediate) with down_rows: the same bits
+    as launches 4 + 5, bf16 and fp32 out."""
+    case = CASES[6]
+    d = to_dev(make_inputs(case, 43), device)
+    cfg = moe_launch(case.hidden, case.inter, torch.device(device).type)
+    n, k = case.n_live, case.top_k
+    a = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n, config=cfg)
+    down = (a, d.weights, d.ids, d.proj, d.proj_s, d.n)
+    for dt in (torch.bfloat16, torch.float32):
+        want = moe_down_fp8(*down, out_dtype=dt, config=cfg)[:n].cpu()
+        got = moe_down_fp8(*down, out_dtype=dt, config=dataclasses.replace(cfg, down_rows=True))
+        assert torch.equal(got[:n].cpu(), want), dt
+    assert a.shape[0] == case.rows * k
 
 
-def test_silu_in_down_differs_when_its_inputs_do(device):
-    """The recomputed path reads what it must: gate/up scale of one routed expert doubled →
-    other bits (the comparison above is not vacuous); and the flag is refused together with
-    fold_silu (both move launch 3)."""
+def test_moved_launches_differ_when_their_inputs_do(device):
+    """The moved launches read what they must: a routed expert's gate/up scales or a row's
+    second routing weight doubled → other bits (the comparison above is not vacuous); and flags
+    that move the same launch twice are refused."""
     case = CASES[6]
     d = to_dev(make_inputs(case, 42), device)
     cfg = dataclasses.replace(moe_launch(case.hidden, case.inter, torch.device(device).type),
                               silu_in_down=True)
     n = case.n_live
     args = [d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n]
-    want = moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16)
     fc_s = d.fc_s.clone()
     fc_s[int(d.ids[0, 0])] *= 2
-    args[4] = fc_s
-    assert not torch.equal(moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16), want)
+    w = d.weights.clone()
+    w[0, 1] *= 2  # the row-major sum's second term
+    for rows in (False, True):
+        c = dataclasses.replace(cfg, down_rows=rows)
+        want = moe_fp8(*args, config=c)[:n].cpu().view(torch.int16)
+        for i, bad in ((4, fc_s), (1, w)):
+            planted = list(args)
+            planted[i] = bad
+            got = moe_fp8(*planted, config=c)[:n].cpu().view(torch.int16)
+            assert not torch.equal(got, want), (rows, i)
     with pytest.raises(ValueError, match="fold_silu and silu_in_down"):
         MoeLaunch(32, 64, 128, fold_silu=True, silu_in_down=True)
+    with pytest.raises(ValueError, match="fold_combine and down_rows"):
+        MoeLaunch(32, 64, 128, fold_combine=True, down_rows=True)
 
 
 @pytest.mark.slow
@@ -594,6 +634,14 @@ out = {
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "gu_ptr", "stride_pe", "stride_pn",
          "stride_yr", "stride_gj", "stride_gs"]),
+    "down_rows": build(moe._moe_down_rows_kernel,
+        dict(aq_ptr=f32, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
+             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
+        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
+             stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True),
+        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+        ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
+         "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
     "combine": build(moe._moe_combine_kernel,
         dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
         dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
@@ -626,6 +674,9 @@ def test_moe_kernels_compile_for_sm90():
     ds = got["down_silu"]
     assert ds["ex2"] > 0 and ds["cp.async"] > 0 and ds["wgmma"] + ds["mma.sync"] > 0
     assert ds["atom.global.gpu.acq_rel"] == 0 and ds["ld.volatile.global"] == 0
+    dr = got["down_rows"]  # and row-major down + combine, the same
+    assert dr["ex2"] > 0 and dr["cp.async"] > 0 and dr["wgmma"] + dr["mma.sync"] > 0
+    assert dr["atom.global.gpu.acq_rel"] == 0 and dr["ld.volatile.global"] == 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -669,17 +720,20 @@ def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("moved", MOVED, ids=lambda m: "silu{}-fold{}-rows{}".format(*map(int, m)))
 @pytest.mark.parametrize("n_live", [1, 6, 8])
-def test_moe_tp8_silu_in_down_gives_the_separate_bits(n_live, device):
-    """The pinned TP8 launch with SiLU recomputed in down (4 K splits, I = 192) == launches 3
-    and 4, bit for bit, over 10 graph replays."""
-    case = Case(f"tp8-silu-down-{n_live}of8", **TP8, rows=8, n_live=n_live)
+def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
+    """The pinned TP8 launch (4 K splits, I = 192) with SiLU recomputed in down and/or down +
+    combine row-major == launches 3, 4, 5 one after another, bit for bit (compiled: MMA and
+    FMA contraction as in production), over 10 graph replays."""
+    case = Case(f"tp8-moved-{n_live}of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 620 + n_live), device)
-    cfg = moe_launch(3072, 192)
+    cfg = dataclasses.replace(moe_launch(3072, 192), silu_in_down=False, fold_combine=False,
+                              down_rows=False)
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
-    want = moe_fp8(*args, config=dataclasses.replace(cfg, silu_in_down=False))
-    want = want[:n_live].view(torch.int16).clone()
-    on = dataclasses.replace(cfg, silu_in_down=True)
+    want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
+    on = dataclasses.replace(cfg, silu_in_down=moved[0], fold_combine=moved[1],
+                             down_rows=moved[2])
     out = poisoned((8, 3072), torch.bfloat16, device)
     moe_fp8(*args, config=on, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
