@@ -29,8 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import triton  # noqa: E402
+
 from iquestrt.capture import graph_capture
 from kernels.sampler import (  # noqa: E402
+    MAX_GROUPS,
     SampleOut,
     SamplerLaunch,
     sample,
@@ -100,8 +103,9 @@ def kernel_call(pb: Problem, copy: int = 0, config: SamplerLaunch | None = None
     mine = x[:, bounds[0][0]: bounds[0][1]]  # rank 0's slice, a strided view
 
     def rank_step() -> SampleOut:
-        topk_candidates(mine, pb.params, 0, V)
-        return sample_from_candidates(keys, pb.params, SEED, pb.positions, vocab=V, out=pb.out)
+        topk_candidates(mine, pb.params, 0, V, config=config)
+        return sample_from_candidates(keys, pb.params, SEED, pb.positions, vocab=V, out=pb.out,
+                                      config=config)
 
     return rank_step
 
@@ -169,16 +173,28 @@ LAUNCHES = {  # (tile, scan warps, merge warps, select) compared by --sweep
     for t, sw, mw, sel in [(8192, 8, 4, "rounds"), (8192, 8, 4, "bitonic"),
                            (4096, 8, 4, "bitonic"), (2048, 4, 4, "bitonic"),
                            (1024, 4, 4, "bitonic"), (2048, 4, 8, "bitonic"),
-                           (4096, 4, 4, "bitonic")]
+                           (4096, 4, 4, "bitonic"),
+                           # small tiles: many short scans, the merge gathers K of the groups
+                           (4096, 8, 4, "rounds"), (2048, 4, 4, "rounds"),
+                           (1024, 4, 4, "rounds"), (512, 4, 4, "rounds"),
+                           (512, 2, 4, "rounds"), (256, 2, 4, "rounds"),
+                           (256, 1, 4, "rounds"), (1024, 4, 8, "rounds")]
 }
 
 
 def sweep(warmup: int, reps: int) -> list[dict]:
-    """Graph-replay time of each launch configuration on 8 × 160000, interleaved A/B/C… in
-    rounds of reps/5 so drift hits every configuration alike; bits checked equal first."""
-    pb = build_problem(SPECS[0], torch.device("cuda"))
+    """Graph-replay time of each launch configuration on 8 × 160000 and on a TP8 rank's step,
+    interleaved A/B/C… in rounds of reps/5 so drift hits every configuration alike; bits
+    checked equal first."""
+    return [r for spec in (SPECS[0], SPECS[3]) for r in sweep_spec(spec, warmup, reps)]
+
+
+def sweep_spec(spec: BenchSpec, warmup: int, reps: int) -> list[dict]:
+    pb = build_problem(spec, torch.device("cuda"))
     calls, want = {}, None
     for name, cfg in LAUNCHES.items():
+        if triton.cdiv(spec.vocab // spec.shards, cfg.tile) > MAX_GROUPS:
+            continue
         calls[name] = kernel_call(pb, 0, cfg)
         got = [t.clone() for t in calls[name]()]
         want = want or got
@@ -188,7 +204,8 @@ def sweep(warmup: int, reps: int) -> list[dict]:
     for _ in range(5):
         for name, fn in calls.items():
             times[name].append(time_graph(fn, warmup, max(1, reps // 5)))
-    return [dict(launch=n, graph_us=statistics.median(t), rounds_us=t) for n, t in times.items()]
+    return [dict(spec=spec.name, launch=n, graph_us=statistics.median(t), rounds_us=t)
+            for n, t in times.items()]
 
 
 def run_spec(spec: BenchSpec, warmup: int, reps: int) -> dict:
@@ -222,7 +239,7 @@ def main(argv=None) -> int:
         return 2
     swept = sweep(args.warmup, args.reps) if args.sweep else []
     for r in swept:
-        print(f"launch {r['launch']:22} graph {r['graph_us']:7.1f} us  rounds "
+        print(f"{r['spec']:32} launch {r['launch']:22} graph {r['graph_us']:7.1f} us  rounds "
               f"{', '.join(f'{t:.1f}' for t in r['rounds_us'])}")
     results = [run_spec(s, args.warmup, args.reps) for s in SPECS]
     env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),

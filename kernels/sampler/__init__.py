@@ -46,6 +46,7 @@ from reference.rng import Purpose
 from reference.twins import sampler as _twins
 
 MAX_TOP_K = 64
+MAX_GROUPS = 1024  # candidate groups (tiles of a shard, or shards) one merge ranks: [GP, SP]
 SELECTS = ("rounds", "bitonic")
 
 
@@ -98,9 +99,9 @@ def _check_params(params: SamplingDefaults, vocab: int) -> int:
 
 def _tiles(shard_vocab: int, kp: int, cfg: SamplerLaunch) -> int:
     tiles = triton.cdiv(shard_vocab, cfg.tile)
-    if triton.next_power_of_2(tiles * kp) > 8192:
-        _fail(f"{tiles} tiles x {kp} candidate slots exceed the merge's 8192; use a larger "
-              f"SamplerLaunch.tile than {cfg.tile}")
+    if tiles > MAX_GROUPS:
+        _fail(f"{tiles} tiles of {cfg.tile} exceed the merge's {MAX_GROUPS} candidate groups; "
+              f"use a larger SamplerLaunch.tile")
     return tiles
 
 
@@ -125,9 +126,9 @@ def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, value
            pdl=False):
     """Launch 2/3 over candidates [R, S, G, KP]: keys_out [R, S, KP] (local) or final sampling."""
     R, S = cand.shape[0], cand.shape[1]
-    cp = triton.next_power_of_2(groups * kp)
-    if cp > 8192:
-        _fail(f"{groups} candidate groups x {kp} slots exceed the merge's 8192")
+    gp = triton.next_power_of_2(groups)
+    if groups > MAX_GROUPS:
+        _fail(f"{groups} candidate groups exceed the merge's {MAX_GROUPS}")
     dev = cand.device
     if final is None:
         tok = ids = probs = pos = torch.empty(0, dtype=torch.int64, device=dev)
@@ -146,7 +147,7 @@ def _merge(cand, groups, n_live, k, kp, cfg, *, final=None, keys_out=None, value
         keys_out, *sk, tok, ids, probs, si, sp,
         pos, seed, seed_t if seed_t is not None else tok, n_live, float(top_p), apply,
         values if values is not None else cand, purpose, index,
-        K=k, KP=kp, GP=triton.next_power_of_2(groups), CP=cp, FINAL=final is not None,
+        K=k, KP=kp, GP=gp, SP=min(gp, kp), FINAL=final is not None,
         GREEDY=greedy, SEED_FROM_PTR=seed_t is not None, LIBDEVICE=not _interpreting(),
         BITONIC=cfg.select == "bitonic", VALS_FROM_PTR=values is not None,
         num_warps=cfg.merge_warps, **launch_opts(pdl, **_COMPILE),

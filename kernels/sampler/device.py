@@ -16,8 +16,9 @@ Launches (all programs of a row are independent; rows ≥ n_live are neither rea
      renormalization, final order and the draw, exactly as reference/sampling.py pins them.
 Tile maxima skip work in the merges: when G ≥ K, the K-th largest group maximum τ is a lower
 bound of the row's K-th key (those K maxima are K distinct keys of the row), so a group whose
-maximum is below τ cannot hold a winner: its candidates are not loaded, and loaded keys below
-τ are dropped. With fewer groups than K there is no such bound and every group is read.
+maximum is below τ cannot hold a winner. Exactly K groups reach τ; the merge gathers those
+(all G when G < K: no bound) into [min(GP, KP), KP] keys, so its selection rounds cost the same
+for 3 tiles or 600, and drops loaded keys below τ.
 
 Exactness. All sums are sequential fp32 loops in the reference's order; divisions use div_rn;
 the kernels launch with FMA contraction and libdevice flush-to-zero off. exp is the one
@@ -174,7 +175,7 @@ def _merge_kernel(
     keys_ptr, stride_kr, stride_ks,
     tok_ptr, ids_ptr, probs_ptr, stride_ir, stride_pr,
     pos_ptr, seed, seed_ptr, n_live_ptr, top_p, apply_top_p, vals_ptr, purpose, index,
-    K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, CP: tl.constexpr,
+    K: tl.constexpr, KP: tl.constexpr, GP: tl.constexpr, SP: tl.constexpr,
     FINAL: tl.constexpr, GREEDY: tl.constexpr, SEED_FROM_PTR: tl.constexpr,
     LIBDEVICE: tl.constexpr, BITONIC: tl.constexpr, VALS_FROM_PTR: tl.constexpr,
     PDL: tl.constexpr,
@@ -187,17 +188,25 @@ def _merge_kernel(
     base = cand_ptr + row * stride_cr + s * stride_cs  # groups [G, KP]
     gi = tl.arange(0, GP)
     gmax = tl.load(base + gi * stride_cg, mask=gi < G, other=EMPTY)  # [GP] slot 0 = group max
-    grank = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), axis=1)
-    tau = tl.max(tl.where(grank == K - 1, gmax, EMPTY), axis=0)
-    tau = tl.where(G >= K, tau, EMPTY)
-    c = tl.arange(0, CP)
-    g = c // KP
-    sl = c % KP
-    ok = (g < G) & (sl < K)
-    gm = tl.load(base + g * stride_cg, mask=ok, other=EMPTY)  # [CP] the group max of each slot
-    keys = tl.load(base + g * stride_cg + sl, mask=ok & (gm >= tau), other=EMPTY)
-    keys = tl.where(keys >= tau, keys, EMPTY)
     slot = tl.arange(0, KP)
+    if GP <= 64:  # rank of each maximum by one [GP, GP] comparison
+        grank = tl.sum((gmax[None, :] > gmax[:, None]).to(tl.int32), axis=1)
+        tau = tl.max(tl.where(grank == K - 1, gmax, EMPTY), axis=0)
+    else:  # many small tiles: the K-th largest maximum by K rounds over [GP]
+        tau = tl.max(tl.where(slot == K - 1, top_keys(gmax, K, KP, False), EMPTY), axis=0)
+    tau = tl.where(G >= K, tau, EMPTY)
+    # the min(G, K) groups whose maximum reaches τ, gathered in group order into [SP, KP]:
+    # sel_j = the group with j selected groups before it (j < count)
+    sel = (gi < G) & (gmax >= tau)
+    before = tl.cumsum(sel.to(tl.int32), axis=0) - 1  # [GP]
+    j = tl.arange(0, SP)
+    gathered = sel[:, None] & (before[:, None] == j[None, :])  # [GP, SP]
+    grp = tl.sum(tl.where(gathered, gi[:, None], 0), axis=0)  # [SP]
+    jok = tl.sum(gathered.to(tl.int32), axis=0) > 0
+    keys = tl.load(base + grp[:, None] * stride_cg + slot[None, :],
+                   mask=jok[:, None] & (slot < K)[None, :], other=EMPTY)  # [SP, KP]
+    keys = tl.reshape(keys, [SP * KP])
+    keys = tl.where(keys >= tau, keys, EMPTY)
     top = top_keys(keys, K, KP, BITONIC)  # [KP] (z desc, id asc)
     if not FINAL:
         tl.store(keys_ptr + row * stride_kr + s * stride_ks + slot, top)

@@ -176,6 +176,9 @@ CASES = [  # (R, n_live, V, tile, params, kind)
     (6, 6, 1000, 64, SP(0.5, 5, 0.8), "ties"),  # 16 tiles >= K: tile maxima skip tiles
     (2, 2, 700, 32, SP(), "normal"),  # 22 tiles >= K = 20
     (3, 3, 1000, 256, SP(1.0, 20, 0.95), "peaked"),
+    # 313 tiles (> 64): the merge finds τ by K rounds over the maxima and gathers K of 313
+    (2, 2, 5000, 16, SP(), "ties"),
+    (2, 1, 5000, 16, SP(0.8, 64, 0.9), "normal"),
 ]
 
 
@@ -251,9 +254,9 @@ def triton_pow2(n: int) -> int:
 
 
 def fit_tile(vocab: int, kp: int, tile: int) -> int:
-    """The smallest power of two >= tile (and 16) whose tiles fit the merge's 8192 slots."""
+    """The smallest power of two >= tile (and 16) whose tiles fit the merge's 1024 groups."""
     tile = max(16, triton_pow2(tile))
-    while triton_pow2(-(-vocab // tile) * kp) > 8192:
+    while -(-vocab // tile) > 1024:
         tile *= 2
     return tile
 
@@ -489,7 +492,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
            ("wf_ptr", "*fp32"), ("wi_ptr", "*i64")] + [
         (n, i32) for n in ("D", "WP", "WQ", "s_pi", "s_pp", "s_qi", "s_qp", "b_pi", "b_pp",
                            "b_qi", "b_qp")]
-    fin = {"K": 20, "KP": 32, "GP": 32, "CP": 1024, "FINAL": True, "GREEDY": False,
+    fin = {"K": 20, "KP": 32, "GP": 32, "SP": 32, "FINAL": True, "GREEDY": False,
            "SEED_FROM_PTR": False, "LIBDEVICE": True, "VALS_FROM_PTR": False, "PDL": False}
     vc = {"DP": 8, "KP": 32, "KQ": 32, "SEED_FROM_PTR": False, "FIRST_FROM_PTR": False,
           "PDL": False}
@@ -508,6 +511,8 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
             "SEED_FROM_PTR": True, "G": 1, "index": 1, "purpose": 1, "apply_top_p": 1}),
         "merge_final_vals_ptr": build(S._merge_kernel, merge, fin | {"VALS_FROM_PTR": True}),
         "merge_local": build(S._merge_kernel, merge, fin | {"FINAL": False}),
+        "merge_local_many_groups": build(S._merge_kernel, merge, fin | {"FINAL": False,
+                                                                        "GP": 1024}),
         "merge_greedy": build(S._merge_kernel, merge, fin | {"K": 1, "KP": 2, "GREEDY": True}),
         "verify": build(VF._verify_kernel, ver, vc),
         "verify_ptrs_ones": build(VF._verify_kernel, ver, vc | {
