@@ -264,12 +264,8 @@ def _moe_down_kernel(
     for i0 in range(0, I, 128):
         ii = i0 + tl.arange(0, 128)
         im = ii < I
-        if SILU:
-            aq, sa = _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I, KS)
-        else:
-            aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                         mask=im[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
-            sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)  # [BR]
+        aq, sa = _down_operand(aq_ptr, as_ptr, gu_ptr, src, uses, ii, im, i0, stride_aqr,
+                               stride_asr, stride_gj, stride_gs, I, KS, SILU)
         w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
                     mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
         sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm, other=0.0)
@@ -280,6 +276,21 @@ def _moe_down_kernel(
         _fold_combine(y_ptr, w_ptr, out_ptr, cnt_ptr, ids_ptr, e, n_live, h, hm, stride_yr,
                       stride_wr, stride_wk, stride_or, stride_ir, stride_ik, K, K_PAD, BLOCK_R,
                       OUT_BF16)
+
+
+@triton.jit
+def _down_operand(aq_ptr, as_ptr, gu_ptr, src, uses, ii, im, i0, stride_aqr, stride_asr,
+                  stride_gj, stride_gs, I: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr):
+    """Down's operand for the 128-column group ii: column r holds slot src[r]'s intermediate
+    (rows with uses[r] only) → (E4M3 [128, BR], scales [BR]); from aq, sa, or (SILU) made from
+    the gate/up partials."""
+    if SILU:
+        aq, sa = _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I, KS)
+    else:
+        aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                     mask=im[:, None] & uses[None, :], other=0.0)
+        sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)
+    return aq, sa
 
 
 @triton.jit
@@ -336,12 +347,8 @@ def _moe_down_rows_kernel(
         for i0 in tl.static_range(0, I, 128):
             ii = i0 + tl.arange(0, 128)
             im = ii < I
-            if SILU:
-                aq, sa = _silu_cols(gu_ptr, src, mine, ii, im, stride_gj, stride_gs, I, KS)
-            else:
-                aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                             mask=im[:, None] & mine[None, :], other=0.0)  # [128, BR] E4M3
-                sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=mine, other=0.0)
+            aq, sa = _down_operand(aq_ptr, as_ptr, gu_ptr, src, mine, ii, im, i0, stride_aqr,
+                                   stride_asr, stride_gj, stride_gs, I, KS, SILU)
             wt = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
                          mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
             sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm,
