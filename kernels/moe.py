@@ -262,14 +262,9 @@ def _moe_down_kernel(
     s_e = ps_ptr + e.to(tl.int64) * stride_se
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for i0 in range(0, I, 128):
-        ii = i0 + tl.arange(0, 128)
-        im = ii < I
-        aq, sa = _down_operand(aq_ptr, as_ptr, gu_ptr, src, uses, ii, im, i0, stride_aqr,
-                               stride_asr, stride_gj, stride_gs, I, KS, SILU)
-        w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
-                    mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
-        sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm, other=0.0)
-        acc += tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
+        acc = _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, uses, w_e, s_e, h, hm,
+                          stride_aqr, stride_asr, stride_gj, stride_gs, stride_pn, stride_pk,
+                          stride_sn, stride_sk, I, KS, SILU)
     tl.store(y_ptr + slot[None, :, :] * stride_yr + h[:, None, None], acc[:, :, None],
              mask=hm[:, None, None] & hit[None, :, :])
     if FOLD:
@@ -279,18 +274,24 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _down_operand(aq_ptr, as_ptr, gu_ptr, src, uses, ii, im, i0, stride_aqr, stride_asr,
-                  stride_gj, stride_gs, I: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr):
-    """Down's operand for the 128-column group ii: column r holds slot src[r]'s intermediate
-    (rows with uses[r] only) → (E4M3 [128, BR], scales [BR]); from aq, sa, or (SILU) made from
-    the gate/up partials."""
+def _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, uses, w_e, s_e, h, hm,
+                stride_aqr, stride_asr, stride_gj, stride_gs, stride_pn, stride_pk,
+                stride_sn, stride_sk, I: tl.constexpr, KS: tl.constexpr, SILU: tl.constexpr):
+    """One 128-column K block of down: acc [BN, BR] += W_e[h, block] · operand, scaled per
+    block. Column r of the operand is slot src[r]'s intermediate (rows with uses[r] only):
+    from aq, sa, or (SILU) made from the gate/up partials."""
+    ii = i0 + tl.arange(0, 128)
+    im = ii < I
     if SILU:
         aq, sa = _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I, KS)
     else:
         aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
                      mask=im[:, None] & uses[None, :], other=0.0)
         sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)
-    return aq, sa
+    w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
+                mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+    sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm, other=0.0)
+    return acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
 
 
 @triton.jit
@@ -345,15 +346,9 @@ def _moe_down_rows_kernel(
         src = tl.where(mine, s, -1)  # [BR]
         acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
         for i0 in tl.static_range(0, I, 128):
-            ii = i0 + tl.arange(0, 128)
-            im = ii < I
-            aq, sa = _down_operand(aq_ptr, as_ptr, gu_ptr, src, mine, ii, im, i0, stride_aqr,
-                                   stride_asr, stride_gj, stride_gs, I, KS, SILU)
-            wt = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
-                         mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
-            sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm,
-                         other=0.0)
-            acc += tl.dot(wt.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
+            acc = _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, mine, w_e, s_e, h, hm,
+                              stride_aqr, stride_asr, stride_gj, stride_gs, stride_pn,
+                              stride_pk, stride_sn, stride_sk, I, KS, SILU)
         y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
         out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
     if OUT_BF16:
