@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from iquestrt.launch_overrides import LaunchOverrides
 from iquestrt.live import Live
 from iquestrt.weights import Fp8Linear, MoeWeights
 from kernels import attention as k_attention
@@ -46,7 +47,10 @@ ROLLBACK_ROWS = 8  # the rollback kernel's width: positions one settlement may r
 class KernelOps:
     name = "kernels"
 
-    def __init__(self, device: torch.device, max_polls: int, pdl: bool = False):
+    def __init__(self, device: torch.device, max_polls: int, pdl: bool = False,
+                 launches: LaunchOverrides | None = None):
+        """launches: overrides of the pinned launch configurations (iquestrt/launch_overrides.py;
+        empty: the pinned ones), for side-by-side benchmarks."""
         check_pdl(pdl, device)
         if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
@@ -54,6 +58,7 @@ class KernelOps:
                 "before the first import of a kernels module (or use ops='twins')"
             )
         self.dev, self.max_polls, self.pdl = device, max_polls, pdl
+        self.launches = launches or LaunchOverrides()
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
         self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
         self.moe_scratch = k_moe.MoeScratch.create(device)  # the folded SiLU's counters
@@ -123,14 +128,17 @@ class KernelOps:
         return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
                                  attn_out_scale=attn_out_scale, max_polls=polls, rearm=rearm,
                                  router_w=router_w, top_k=top_k, scratch=scratch,
-                                 quantize=quantize, pdl=self.pdl)
+                                 quantize=quantize, pdl=self.pdl,
+                                 config=self.launches.tail_config(
+                                     xn.shape[-1], 0 if router_w is None else router_w.shape[0]))
 
     def moe_tail(self, parts, h, next_norm, live: Live, flag, *, eps, ffn_out_scale,
                  quantize=False) -> MoeTailOut:
         parts, rearm, polls = self._read(parts)
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
                                 ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
-                                quantize=quantize, pdl=self.pdl)
+                                quantize=quantize, pdl=self.pdl,
+                                config=self.launches.tail_config(h.shape[-1]))
 
     def _read(self, parts):
         """Partials [N, R, H], or a RingRead of peers' slots → (partials, re-arm, poll bound)."""
@@ -142,11 +150,15 @@ class KernelOps:
             ) -> torch.Tensor:
         return k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t,
                              out_dtype=out_dtype, quantized=xq, out=out,
-                             scratch=self.moe_scratch, pdl=self.pdl)
+                             scratch=self.moe_scratch, pdl=self.pdl, config=self._moe_config(x, m))
+
+    def _moe_config(self, x, m: MoeWeights):
+        """The MoE's launch configuration under self.launches; None: the pinned one."""
+        return self.launches.moe_config(x.shape[-1], m.fc.shape[1] // 2, self.dev.type)
 
     def sample(self, logits, params, seed, positions, purpose, live: Live) -> SampleOut:
         return k_sampler.sample(logits, params, seed, positions, purpose, n_live=live.t,
-                                pdl=self.pdl)
+                                pdl=self.pdl, config=self.launches.sampler_config(logits.shape[1]))
 
     def verify(self, p: SampleOut, q_ids, q_probs, drafts, seed, first,
                n_drafts: Live) -> VerifyOut:

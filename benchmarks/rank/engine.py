@@ -32,6 +32,7 @@ from benchmarks.rank.ops import PEERS, make_rank_ops
 from iquestrt.config import RuntimeConfig
 from iquestrt.engine import Engine
 from iquestrt.engine_parts import EngineObserver, EngineParts
+from iquestrt.launch_overrides import LaunchOverrides
 from iquestrt.round import RoundProgram
 from iquestrt.session import Session
 from iquestrt.tp.group import TPGroup
@@ -173,13 +174,15 @@ class RankEngine(Engine):
 
     def __init__(self, weights: Weights, rcfg: RuntimeConfig, table: torch.Tensor | None,
                  seed: int = 0, peers: int = PEERS, reduce: str = "stacked",
-                 rings: TPRings | None = None, group: TPGroup | None = None):
+                 rings: TPRings | None = None, group: TPGroup | None = None,
+                 launches: LaunchOverrides | None = None):
         """rings, group: reduce "ring" (`--tp N`): the TP rings every rank's engines share and
-        this rank's group (the rings are reset through it)."""
+        this rank's group (the rings are reset through it). launches: the kernels' launch
+        overrides (iquestrt/launch_overrides.py; `--launch`)."""
         if (rings is None) != (group is None):
             raise ValueError("RankEngine: rings and group come together (reduce 'ring')")
         ops = make_rank_ops(rcfg.ops, rcfg.device, rcfg.max_polls, weights, rcfg.max_width,
-                            table, peers, reduce, rcfg.pdl, rings)
+                            table, peers, reduce, rcfg.pdl, rings, launches)
         self.clock = RoundClock()
         parts = dataclasses.replace(EngineParts.default(weights, rcfg, ops=ops),
                                     prefill=SyntheticPrefill(seed),

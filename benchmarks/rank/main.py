@@ -62,13 +62,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="programmatic dependent launch of the kernels (kernels/launch.py): off, "
                         "on, or ab (each configuration both ways, the runs alternating; rows "
                         "'+pdl' and their ratio)")
+    p.add_argument("--launch", action="append", default=[], metavar="OVERRIDES",
+                   help="a variant with the kernels' launch configurations overridden, run "
+                        "beside each configuration (alternating; rows '<policy>+OVERRIDES' and "
+                        "their ratio), e.g. moe.down_rows=1 or sampler.tile=2048,"
+                        "sampler.scan_warps=4 (iquestrt/launch_overrides.py); repeatable")
 
 
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
     tp = getattr(a, "tp", 1)
     reduce = getattr(a, "reduce", None) or ("ring" if tp != 1 else "stacked")
     common = dict(routing=a.routing, mapping=a.mapping, loop=a.loop, seed=a.seed, reduce=reduce,
-                  pdl=a.pdl, tp=tp)
+                  pdl=a.pdl, tp=tp, launch=tuple(getattr(a, "launch", ())))
     if a.quick:
         return SweepSpec(widths=(6,), adaptive=False, contexts=("1K",), rounds=16, reps=1,
                          baseline="eager" if a.baseline == "all" else a.baseline,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from benchmarks.rank.spec import REDUCES
+from iquestrt.launch_overrides import LaunchOverrides
 from iquestrt.ops import KernelOps, Live, TwinOps
 from iquestrt.tp.peer_ring import TPRings
 from iquestrt.weights import Fp8Linear, MoeWeights, Weights
@@ -185,7 +186,7 @@ class RankKernelOps(RankOpsMixin, KernelOps):
                   xq=None) -> None:
         k_moe.moe_fp8(x, weights, ids, m.fc, m.fc_s, m.proj, m.proj_s, live.t, out=out,
                       out_dtype=torch.float32, quantized=xq, scratch=self.moe_scratch,
-                      pdl=self.pdl)
+                      pdl=self.pdl, config=self._moe_config(x, m))
 
 
 class RankTwinOps(RankOpsMixin, TwinOps):
@@ -205,14 +206,17 @@ class RankTwinOps(RankOpsMixin, TwinOps):
 
 def make_rank_ops(backend: str, device, max_polls: int, weights: Weights, rows: int,
                   table: torch.Tensor | None, peers: int = PEERS, reduce: str = "stacked",
-                  pdl: bool = False, rings: TPRings | None = None):
+                  pdl: bool = False, rings: TPRings | None = None,
+                  launches: LaunchOverrides | None = None):
+    """launches: the kernels' launch overrides (iquestrt/launch_overrides.py); kernels only."""
     kinds = {"kernels": RankKernelOps, "twins": RankTwinOps}
     if backend not in kinds:
         raise ValueError(f"ops: unknown backend {backend!r}; choose one of {sorted(kinds)}")
     if backend == "kernels":
-        ops = RankKernelOps(torch.device(device), max_polls, pdl=pdl)
-    elif pdl:
-        raise ValueError("ops: pdl (programmatic dependent launch) needs the 'kernels' backend")
+        ops = RankKernelOps(torch.device(device), max_polls, pdl=pdl, launches=launches)
+    elif pdl or launches:
+        raise ValueError("ops: pdl (programmatic dependent launch) and launch overrides need the "
+                         "'kernels' backend")
     else:
         ops = RankTwinOps(torch.device(device), max_polls)
     ops.attach(weights, rows, table, peers, reduce, rings)

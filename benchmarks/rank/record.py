@@ -119,7 +119,7 @@ def markdown(rec: dict) -> str:
     if e and "round_s" in e:
         lines += ["", f"Eager launches (no CUDA graph) at the first context, width "
                       f"{spec['headline_width']}: {_ms(e['round_s'])} ms/round."]
-    lines += (_tp_md(rec) + _pdl_md(rec) + _breakdown_md(rec) + _routing_md(rec)
+    lines += (_tp_md(rec) + _variants_md(rec) + _breakdown_md(rec) + _routing_md(rec)
               + _baseline_md(rec))
     lines += ["", "Round time: median interval between consecutive rounds of a request "
               "(CUDA events, graph replay, host loop); loop ms/round: the engine's loop phase "
@@ -150,29 +150,38 @@ def _tp_md(rec: dict) -> list[str]:
     return out
 
 
-def pdl_pairs(rec: dict) -> list[dict]:
-    """Rows "<policy>+pdl" against "<policy>" at the same context (--pdl ab)."""
+def variant_pairs(rec: dict) -> list[dict]:
+    """Rows "<policy>+<variant>" (--pdl ab: "+pdl"; --launch: "+<overrides>") against
+    "<policy>" at the same context."""
     out = []
     for r in rec["configs"]:
-        if not r["policy"].endswith("+pdl") or "error" in r:
+        base_name, plus, variant = r["policy"].partition("+")
+        if not plus or "error" in r:
             continue
-        base = _find(rec["configs"], r["context_name"], r["policy"][:-len("+pdl")])
-        if base:
-            out.append({"context_name": r["context_name"], "policy": base["policy"],
-                        "off_s": base["round_s"], "on_s": r["round_s"],
-                        "ratio": r["round_s"] / base["round_s"]})
+        base = _find(rec["configs"], r["context_name"], base_name)
+        if base and "error" not in base:
+            out.append({"context_name": r["context_name"], "policy": base_name,
+                        "variant": variant, "control_s": base["round_s"],
+                        "variant_s": r["round_s"], "ratio": r["round_s"] / base["round_s"],
+                        "launches": tuple(x["breakdown"]["launches"] if "breakdown" in x
+                                          else None for x in (base, r))})
     return out
 
 
-def _pdl_md(rec: dict) -> list[str]:
-    pairs = pdl_pairs(rec)
+def _variants_md(rec: dict) -> list[str]:
+    pairs = variant_pairs(rec)
     if not pairs:
         return []
-    lines = ["", "## Programmatic dependent launch (A/B in this run)", "",
-             "| context | policy | round ms, PDL off | round ms, PDL on | on ÷ off |",
-             "| --- | --- | --- | --- | --- |"]
-    lines += [f"| {p['context_name']} | {p['policy']} | {_ms(p['off_s'])} | {_ms(p['on_s'])} | "
-              f"{p['ratio']:.3f} |" for p in pairs]
+    lines = ["", "## Variants (A/B in this run, alternating)", "",
+             "| context | policy | variant | round ms, control | round ms, variant | "
+             "variant ÷ control | launches, control → variant |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in pairs:
+        a, b = p["launches"]
+        launches = "—" if a is None or b is None else f"{a} → {b}"
+        lines.append(f"| {p['context_name']} | {p['policy']} | {p['variant']} | "
+                     f"{_ms(p['control_s'])} | {_ms(p['variant_s'])} | {p['ratio']:.3f} | "
+                     f"{launches} |")
     return lines
 
 
@@ -240,7 +249,7 @@ def plots(rec: dict) -> dict[str, str]:
             "ms per round", dashed=frozenset({f"floor {head}"}))
     first = ctxs[0] if ctxs else None
     wrows = sorted((r for r in rows if r["context"] == first and r["policy"][1:].isdigit()),
-                   key=lambda r: int(r["policy"][1:]))  # W<n> only, not the "+pdl" variants
+                   key=lambda r: int(r["policy"][1:]))  # W<n> only, not the "+…" variants
     if wrows:
         out["round_vs_width.svg"] = line_chart(
             f"Round time vs width at context {wrows[0]['context_name']}",

@@ -37,6 +37,9 @@ class SweepSpec:
     reduce: str = "stacked"  # "ring" with tp > 1 (benchmarks/rank/tp.py)
     pdl: str = "off"  # "on": kernels with programmatic dependent launch; "ab": both, side by side
     tp: int = 1  # processes under torchrun, one GPU each
+    # launch-override variants (iquestrt/launch_overrides.py text form), each run beside the
+    # control on the same weights, alternating: rows "<policy>+<overrides>"
+    launch: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [w for w in self.widths if not (isinstance(w, int) and WIDTHS[0] <= w <= WIDTHS[-1])]
@@ -65,6 +68,24 @@ class SweepSpec:
             raise BenchArgsError(f"--reduce {self.reduce} with --tp {self.tp}: 'ring' is the real "
                                  "ring of --tp N >= 2 and --tp N >= 2 reduces through it; "
                                  "'stacked' and 'table' emulate the peers on one GPU")
+
+        self._check_launch()
+
+    def _check_launch(self) -> None:
+        from iquestrt.launch_overrides import LaunchOverrideError, LaunchOverrides
+
+        labels = []
+        for text in self.launch:
+            try:
+                o = LaunchOverrides.parse(text)
+            except LaunchOverrideError as e:
+                raise BenchArgsError(f"--launch {text!r}: {e}") from None
+            if not o:
+                raise BenchArgsError(f"--launch {text!r}: overrides nothing (the control runs "
+                                     "anyway)")
+            labels.append(o.label())
+        if len(set(labels)) != len(labels):
+            raise BenchArgsError(f"--launch: the same overrides twice: {labels}")
 
     def context_tokens(self) -> list[int]:
         return [CONTEXTS[c] for c in self.contexts]

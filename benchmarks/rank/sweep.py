@@ -36,6 +36,7 @@ from benchmarks.rank.traces import (
 from benchmarks.rank.weights import random_weights, weight_bytes
 from iquestrt import outputs
 from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
+from iquestrt.launch_overrides import LaunchOverrides
 from iquestrt.tp.group import TPGroup
 from reference.config import ModelConfig, layer_pattern
 from reference.depth import FixedDepth, default_adaptive
@@ -155,8 +156,18 @@ class Rig:
         return torch.device(self.device).type == "cuda"
 
 
-# SweepSpec.pdl → (row-name suffix, RuntimeConfig.pdl) per variant
-PDL_VARIANTS = {"off": (("", False),), "on": (("", True),), "ab": (("", False), ("+pdl", True))}
+def variants(spec: SweepSpec) -> list[tuple[str, bool, LaunchOverrides]]:
+    """(row-name suffix, RuntimeConfig.pdl, launch overrides) of each variant every configuration
+    runs in: the control first ("": --pdl off/on, the pinned launches), then "+pdl" (--pdl ab)
+    and "+<overrides>" per --launch (PDL as the control's)."""
+    pdl = spec.pdl == "on"
+    out = [("", pdl, LaunchOverrides())]
+    if spec.pdl == "ab":
+        out.append(("+pdl", True, LaunchOverrides()))
+    for text in spec.launch:
+        o = LaunchOverrides.parse(text)
+        out.append(("+" + o.label(), pdl, o))
+    return out
 
 
 def run_order(names: list[str], group: int, index: int) -> list[str]:
@@ -168,14 +179,16 @@ def run_order(names: list[str], group: int, index: int) -> list[str]:
 
 
 def make_engine(rig: Rig, weights, table, policy, graphs: bool, spec: SweepSpec,
-                cap: int, pdl: bool = False, tp: TPBench | None = None) -> RankEngine:
+                cap: int, pdl: bool = False, tp: TPBench | None = None,
+                launches: LaunchOverrides | None = None) -> RankEngine:
     rc = RuntimeConfig(ops=rig.ops, device=rig.device, max_width=KERNEL_WIDTH, ring_pad=64,
                        max_positions=cap, policy=policy, graphs=graphs, sync_rounds=16,
                        loop=spec.loop if graphs else "host", prefetch=False, pdl=pdl)
     if tp is None:
-        return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce)
+        return RankEngine(weights, rc, table, seed=spec.seed, reduce=spec.reduce,
+                          launches=launches)
     return RankEngine(weights, rc, table, seed=spec.seed, reduce="ring", rings=tp.rings,
-                      group=tp.group)
+                      group=tp.group, launches=launches)
 
 
 def run_baseline(spec: SweepSpec, cfg: ModelConfig, table, context: int, say,
@@ -249,16 +262,17 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
     depths = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
     if spec.adaptive:
         depths.append(("adaptive", default_adaptive()))
-    policies = [(name + suffix, pol, pdl) for name, pol in depths
-                for suffix, pdl in PDL_VARIANTS[spec.pdl]]  # "ab": the two variants adjacent
-    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl, tp)
-               for name, pol, pdl in policies}
+    group_vars = variants(spec)
+    policies = [(name + suffix, pol, pdl, o) for name, pol in depths
+                for suffix, pdl, o in group_vars]  # a configuration's variants adjacent
+    engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl, tp, o)
+               for name, pol, pdl, o in policies}
     results = []
     total, done = len(contexts) * len(policies), 0
     names = {v: k for k, v in CONTEXTS.items()}
     head = f"W{spec.headline_width}"
     for ci, ctx in enumerate(contexts):
-        for name in run_order([n for n, _, _ in policies], len(PDL_VARIANTS[spec.pdl]), ci):
+        for name in run_order([p[0] for p in policies], len(group_vars), ci):
             done += 1
             key = rig.cuda and (spec.profile == "all"
                                 or (spec.profile == "key" and (ci == 0 or name == head)))

@@ -65,6 +65,11 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--tp", "9"], "--tp: 9; must be an integer in 1..8"),
     (["--tp", "2"], "--tp 2: 1 processes (WORLD_SIZE); start it as torchrun --nproc-per-node 2"),
     (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['off', 'on', 'ab']"),
+    (["--launch", "moe.nope=1"], "--launch 'moe.nope=1': launch override moe.nope: unknown field"),
+    (["--launch", "sampler.tile=3000"], "SamplerLaunch.tile: power of two >= 16, got 3000"),
+    (["--launch", "gpu.tile=1"], "family one of ['moe', 'sampler', 'tails']"),
+    (["--launch", ","], "--launch ',': overrides nothing"),
+    (["--launch", "moe.down_rows=1", "--launch", "moe.down_rows=on"], "the same overrides twice"),
 ])
 def test_bad_arguments_get_a_clear_error(tmp_path, capsys, argv, message):
     assert bench_main.main(["--out", str(tmp_path / "o"), *argv]) == 2
@@ -158,21 +163,46 @@ def test_a_failed_configuration_fails_the_run(tmp_path, capsys, monkeypatch):
     assert "2 part(s) failed" in capsys.readouterr().err
 
 
-def test_pdl_ab_alternates_and_pairs_rows():
-    from benchmarks.rank.record import _pdl_md, pdl_pairs
-    from benchmarks.rank.sweep import run_order
+def test_variants_alternate_and_pair_rows():
+    from benchmarks.rank.record import _variants_md, variant_pairs
+    from benchmarks.rank.sweep import run_order, variants
 
     names = ["W4", "W4+pdl", "W6", "W6+pdl"]
     assert run_order(names, 2, 0) == names
     assert run_order(names, 2, 1) == ["W4+pdl", "W4", "W6+pdl", "W6"]
     assert run_order(["W4", "W6"], 1, 1) == ["W4", "W6"]
-    rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010},
+    assert run_order(["a", "b", "c"], 3, 1) == ["c", "b", "a"]
+    got = variants(SweepSpec(pdl="ab", launch=("moe.down_rows=1,sampler.tile=2048",)))
+    assert [(s, p, o.label()) for s, p, o in got] == [
+        ("", False, ""), ("+pdl", True, ""),
+        ("+moe.down_rows=1,sampler.tile=2048", False, "moe.down_rows=1,sampler.tile=2048")]
+    assert [(s, p) for s, p, _ in variants(SweepSpec(pdl="on", launch=("tails.packed_topk=1",)))
+            ] == [("", True), ("+tails.packed_topk=1", True)]
+    brk = {"breakdown": {"launches": 1161}}
+    rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010, **brk},
             {"context_name": "1K", "policy": "W6+pdl", "round_s": 0.009},
-            {"context_name": "4K", "policy": "W6+pdl", "error": "x"}]
-    pairs = pdl_pairs({"configs": rows})
-    assert [(p["policy"], round(p["ratio"], 6)) for p in pairs] == [("W6", 0.9)]
-    assert pdl_pairs({"configs": rows[:1]}) == []
-    assert "| 1K | W6 | 10.000 | 9.000 | 0.900 |" in "\n".join(_pdl_md({"configs": rows}))
+            {"context_name": "1K", "policy": "W6+moe.down_rows=1", "round_s": 0.011,
+             "breakdown": {"launches": 1069}},
+            {"context_name": "4K", "policy": "W6+pdl", "error": "x"},
+            {"context_name": "4K", "policy": "W4", "error": "x"},
+            {"context_name": "4K", "policy": "W4+pdl", "round_s": 0.009}]
+    pairs = variant_pairs({"configs": rows})
+    assert [(p["policy"], p["variant"], round(p["ratio"], 6), p["launches"]) for p in pairs] == [
+        ("W6", "pdl", 0.9, (1161, None)), ("W6", "moe.down_rows=1", 1.1, (1161, 1069))]
+    assert variant_pairs({"configs": rows[:1]}) == []
+    md = "\n".join(_variants_md({"configs": rows}))
+    assert "| 1K | W6 | pdl | 10.000 | 9.000 | 0.900 | — |" in md
+    assert "| 1K | W6 | moe.down_rows=1 | 10.000 | 11.000 | 1.100 | 1161 → 1069 |" in md
+
+
+@pytest.mark.slow
+def test_sweep_with_launch_overrides_on_the_twins_is_refused(tmp_path):
+    """Launch overrides configure the Triton kernels: on the twins the variant's engine is
+    refused when it is built — the sweep does not time the control twice under two names."""
+    spec = SweepSpec(widths=(4,), adaptive=False, contexts=("1K",), rounds=4, baseline="none",
+                     profile="none", eager=False, launch=("moe.down_rows=1",))
+    with pytest.raises(ValueError, match="launch overrides need the 'kernels' backend"):
+        run_sweep(spec, tmp_path / "r", "test", Rig(small_rank_config(), "cpu", "twins", 4.24e12))
 
 
 @pytest.mark.slow

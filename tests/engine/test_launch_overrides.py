@@ -1,0 +1,98 @@
+"""Launch overrides (iquestrt/launch_overrides.py): the text form, its checks, and that the
+kernels op table hands the overridden configuration to each covered wrapper (and none when
+nothing is overridden, so the wrappers pin their own)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from iquestrt import ops_kernels
+from iquestrt.launch_overrides import LaunchOverrideError, LaunchOverrides
+from iquestrt.live import Live
+from kernels.moe_launch import moe_launch
+from kernels.sampler import sampler_launch
+from kernels.tails_launch import tail_launch
+
+
+def test_parse_and_label_round_trip():
+    o = LaunchOverrides.parse(" moe.down_rows=on, sampler.tile=2048,sampler.select=bitonic,"
+                              "tails.packed_topk=0 ")
+    assert o.moe == (("down_rows", True),)
+    assert o.sampler == (("tile", 2048), ("select", "bitonic"))
+    assert o.tails == (("packed_topk", False),)
+    assert o.label() == ("moe.down_rows=1,sampler.tile=2048,sampler.select=bitonic,"
+                         "tails.packed_topk=0")
+    assert LaunchOverrides.parse(o.label()) == o
+    assert not LaunchOverrides.parse("") and not LaunchOverrides() and o
+
+
+@pytest.mark.parametrize("text, message", [
+    ("moe.down_rows", "expected family.field=value"),
+    ("down_rows=1", "expected family.field=value"),
+    ("attention.tile=64", "family one of ['moe', 'sampler', 'tails']"),
+    ("moe.tile=64", "moe.tile: unknown field; MoeLaunch has"),
+    ("moe.down_rows=maybe", "moe.down_rows='maybe': expected one of"),
+    ("sampler.tile=big", "sampler.tile='big': expected an integer"),
+    ("sampler.tile=3000", "SamplerLaunch.tile: power of two >= 16, got 3000"),
+    ("sampler.select=heap", "SamplerLaunch.select: one of"),
+    ("moe.silu_in_down=1,moe.fold_silu=1", "fold_silu and silu_in_down both move launch 3"),
+    ("moe.down_warps=3", "MoeLaunch.down_warps: expected a power of two"),
+    ("tails.block_e=2,tails.block_e=4", "a field is named twice"),
+])
+def test_bad_overrides_name_the_field(text, message):
+    with pytest.raises(LaunchOverrideError, match=None) as e:
+        LaunchOverrides.parse(text)
+    assert message in str(e.value)
+
+
+def test_configs_replace_only_the_named_fields_of_the_pinned_ones():
+    o = LaunchOverrides.parse("moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4,"
+                              "tails.packed_topk=1")
+    assert o.moe_config(3072, 192, "cuda") == dataclasses.replace(moe_launch(3072, 192),
+                                                                  down_rows=True)
+    assert o.sampler_config(20000) == dataclasses.replace(sampler_launch(20000), tile=2048,
+                                                          scan_warps=4)
+    assert o.tail_config(3072, 256) == dataclasses.replace(tail_launch(3072, 256),
+                                                           packed_topk=True)
+    assert o.tail_config(3072) == dataclasses.replace(tail_launch(3072), packed_topk=True)
+    none = LaunchOverrides()
+    assert (none.moe_config(3072, 192, "cuda"), none.sampler_config(20000),
+            none.tail_config(3072)) == (None, None, None)
+
+
+def _spy(monkeypatch, module, name, seen):
+    def record(*args, config=None, **kw):
+        seen[name] = config
+        return None
+    monkeypatch.setattr(module, name, record)
+
+
+@pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.packed_topk=1"])
+def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
+    """Each covered op reaches its wrapper with the overrides applied to the configuration the
+    wrapper would pin for that shape (hidden 256, I 64, 512-column logits, 16 experts)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    o = LaunchOverrides.parse(text)
+    ops = ops_kernels.KernelOps(torch.device("cpu"), 1, launches=o)
+    seen: dict = {}
+    _spy(monkeypatch, ops_kernels.k_moe, "moe_fp8", seen)
+    _spy(monkeypatch, ops_kernels.k_sampler, "sample", seen)
+    _spy(monkeypatch, ops_kernels.k_tails, "attn_tail", seen)
+    _spy(monkeypatch, ops_kernels.k_tails, "moe_tail", seen)
+    live = Live.of(2, "cpu")
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    moe = type("M", (), {"fc": torch.zeros(16, 128, 256), "fc_s": None, "proj": None,
+                         "proj_s": None})()
+    ops.moe(x, None, None, moe, live, torch.float32)
+    ops.sample(torch.zeros(2, 512), None, 0, None, None, live)
+    ops.attn_tail(torch.zeros(8, 2, 256), x, None, None, live, None, eps=1e-6,
+                  attn_out_scale=1.0, router_w=torch.zeros(16, 256), top_k=4)
+    ops.moe_tail(torch.zeros(8, 2, 256), x, None, live, None, eps=1e-6, ffn_out_scale=1.0)
+    if not o:
+        assert seen == {"moe_fp8": None, "sample": None, "attn_tail": None, "moe_tail": None}
+        return
+    assert seen["moe_fp8"] == dataclasses.replace(moe_launch(256, 64, "cpu"), down_rows=True)
+    assert seen["sample"] == dataclasses.replace(sampler_launch(512), tile=2048)
+    assert seen["attn_tail"] == dataclasses.replace(tail_launch(256, 16), packed_topk=True)
+    assert seen["moe_tail"] == dataclasses.replace(tail_launch(256), packed_topk=True)
