@@ -30,7 +30,8 @@ from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
-AB_FLAGS = ("silu_in_down", "fold_silu", "fold_combine")  # MoeLaunch flags --ab may flip
+# MoeLaunch flags --ab may flip
+AB_FLAGS = ("silu_in_down", "fold_silu", "fold_combine", "down_rows")
 DEFAULT_DISTINCT = ((1, 8), (2, 16), (4, 30), (6, 44), (8, 57))  # (rows, distinct experts)
 
 
@@ -204,6 +205,18 @@ def parse_variant(text: str, pinned) -> tuple[str, object]:
         raise SystemExit(f"--variant {text!r}: {e}") from None
 
 
+def flipped(pinned, **flags):
+    """pinned with MoeLaunch flags set; a flag that moves a launch another pinned flag moves
+    (fold_silu / silu_in_down: launch 3; fold_combine / down_rows: launch 5) switches that one
+    off, so each variant is a valid launch."""
+    rivals = {"fold_silu": "silu_in_down", "silu_in_down": "fold_silu",
+              "fold_combine": "down_rows", "down_rows": "fold_combine"}
+    for flag, on in list(flags.items()):
+        if on and rivals[flag] not in flags:
+            flags[rivals[flag]] = False
+    return dataclasses.replace(pinned, **flags)
+
+
 def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: bool,
               fold_ab: bool = False, ab: tuple[str, ...] = (),
               variants_text: tuple[str, ...] = ()) -> dict:
@@ -224,10 +237,10 @@ def bench_one(spec: BenchSpec, reps: int, trials: int, warmup: int, with_torch: 
     if fold_ab:
         for silu, combine in ((False, False), (True, False), (False, True), (True, True)):
             if (silu, combine) != (pinned.fold_silu, pinned.fold_combine):
-                variants[f"fold_silu={int(silu)},fold_combine={int(combine)}"] = (
-                    dataclasses.replace(pinned, fold_silu=silu, fold_combine=combine))
+                variants[f"fold_silu={int(silu)},fold_combine={int(combine)}"] = flipped(
+                    pinned, fold_silu=silu, fold_combine=combine)
     for flag in ab:
-        variants[f"{flag}={int(not getattr(pinned, flag))}"] = dataclasses.replace(
+        variants[f"{flag}={int(not getattr(pinned, flag))}"] = flipped(
             pinned, **{flag: not getattr(pinned, flag)})
     for text in variants_text:
         name, cfg = parse_variant(text, pinned)

@@ -82,7 +82,14 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     50.5 µs; SiLU folded +2.0 / +3.6 / +4.0 / +4.4 µs, combine folded +1.3 / +4.4 / +8.5 /
     +8.3 µs, both +3.4 / +8.0 / +12.4 / +12.6 µs. The fold puts an acq_rel atomic (and, for the
     last arrival, dependent volatile loads) at the end of every program, on the critical path
-    of ≈ 1 000–2 300 short programs, which costs more than the ≈ 2 µs launch it removes."""
+    of ≈ 1 000–2 300 short programs, which costs more than the ≈ 2 µs launch it removes.
+    down_rows on (reports/benchmarks/h100-2026-12-05/): inside the rank round (`benchmarks.rank
+    --launch moe.down_rows=1`, H100, alternating) rounds 0.8–2.2 % faster at widths 6 and 8
+    over 1K–16K (6 of 6 pairs; 1 161 → 1 069 launches at width 6); standalone (`bench_moe
+    --variant down_rows=1`) 28.7 / 39.0 / 47.8 / 54.7 µs vs 23.7 / 39.1 / 49.6 / 59.3 µs at 1 /
+    4 / 6 / 8 rows — slower for the draft's single row, but the round gains. silu_in_down stays
+    off: 76 / 192 / 264 / 336 µs at the same rows (every down tile recomputes its rows'
+    SiLU·up and quantization)."""
     if device_type == "cpu":
         return MoeLaunch(
             gate_up_block_n=max(16, triton.next_power_of_2(inter)),
@@ -98,4 +105,5 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
         gate_up_k_blocks=6,
         gate_up_warps=2,
         down_warps=2,
+        down_rows=True,
     )

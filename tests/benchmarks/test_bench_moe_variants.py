@@ -3,6 +3,8 @@ specs refused before any GPU work, naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from benchmarks.bench_moe import main, parse_variant
@@ -29,3 +31,18 @@ def test_variant_changes_only_the_named_fields():
 def test_bad_variant_is_refused_before_the_gpu(spec, words):
     with pytest.raises(SystemExit, match=words):
         main(["--variant", spec])
+
+
+def test_flipped_flags_switch_their_rival_off():
+    """--fold-ab / --ab on a pinned launch with down_rows on: folding the combine turns
+    down_rows off (both move launch 5) instead of failing; a rival named too is kept."""
+    from benchmarks.bench_moe import flipped
+
+    pinned = moe_launch(3072, 192)
+    assert pinned.down_rows
+    cfg = flipped(pinned, fold_silu=True, fold_combine=True)
+    assert (cfg.fold_silu, cfg.fold_combine, cfg.down_rows, cfg.silu_in_down) == (
+        True, True, False, False)
+    assert flipped(pinned, down_rows=False) == dataclasses.replace(pinned, down_rows=False)
+    with pytest.raises(ValueError, match="fold_combine and down_rows"):
+        flipped(pinned, fold_combine=True, down_rows=True)

@@ -287,7 +287,7 @@ def test_folded_silu_gives_the_unfolded_bits(case, device):
     for bit, for the whole op and each stage's output; the counters are all 0 afterwards, so
     one scratch serves the next call (a second call gives the same bits)."""
     d = to_dev(make_inputs(case, 31), device)
-    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    cfg = separate(case.config or moe_launch(case.hidden, case.inter, torch.device(device).type))
     on, off = (dataclasses.replace(cfg, fold_silu=f, fold_combine=f) for f in (True, False))
     scratch = MoeScratch.create(device)
     n, k = case.n_live, case.top_k
@@ -312,6 +312,13 @@ SILU_IN_DOWN_CASES = (CASES[4], CASES[6], CASES[7])  # odd-5of6, rank-like-6of8,
 MOVED = ((True, False, False), (True, True, False), (False, False, True), (True, False, True))
 
 
+def separate(cfg: MoeLaunch) -> MoeLaunch:
+    """cfg with launches 3, 4 and 5 one after another (no fold, none moved): the bits every
+    moved or folded variant must give."""
+    return dataclasses.replace(cfg, fold_silu=False, fold_combine=False, silu_in_down=False,
+                               down_rows=False)
+
+
 class NoLaunch:
     """A kernel that must not be launched: indexing it with a grid fails the test."""
 
@@ -331,7 +338,7 @@ def test_moved_launches_give_the_separate_launches_bits(case, device, monkeypatc
     K block of down), 5 or 6 of 6–8 rows. The launches a variant replaces do not run (they
     raise here)."""
     d = to_dev(make_inputs(case, 41), device)
-    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    cfg = separate(case.config or moe_launch(case.hidden, case.inter, torch.device(device).type))
     n = case.n_live
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     out = moe_fp8(*args, config=cfg)[:n].cpu()
@@ -355,7 +362,7 @@ def test_down_rows_stage_two_and_fp32_out(device):
     as launches 4 + 5, bf16 and fp32 out."""
     case = CASES[6]
     d = to_dev(make_inputs(case, 43), device)
-    cfg = moe_launch(case.hidden, case.inter, torch.device(device).type)
+    cfg = separate(moe_launch(case.hidden, case.inter, torch.device(device).type))
     n, k = case.n_live, case.top_k
     a = moe_gate_up_fp8(d.x, d.ids, d.fc, d.fc_s, d.n, config=cfg)
     down = (a, d.weights, d.ids, d.proj, d.proj_s, d.n)
@@ -403,8 +410,8 @@ def test_folded_silu_needs_clean_counters(device):
     the wrong shape is refused before any launch."""
     case = CASES[1]
     d = to_dev(make_inputs(case, 32), device)
-    cfg = dataclasses.replace(case.config or moe_launch(case.hidden, case.inter,
-                                                         torch.device(device).type),
+    cfg = dataclasses.replace(separate(case.config or moe_launch(case.hidden, case.inter,
+                                                                  torch.device(device).type)),
                               fold_silu=True, fold_combine=True)
     scratch = MoeScratch.create(device)
     scratch.counters.fill_(1)
@@ -701,7 +708,7 @@ def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
     folded launch give the unfolded launches' bits each time; counters end at 0."""
     case = Case(f"tp8-fold-{n_live}of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 600 + n_live), device)
-    cfg = dataclasses.replace(moe_launch(3072, 192), fold_silu=True, fold_combine=True)
+    cfg = dataclasses.replace(separate(moe_launch(3072, 192)), fold_silu=True, fold_combine=True)
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     unfolded = dataclasses.replace(cfg, fold_silu=False, fold_combine=False)
     want = moe_fp8(*args, config=unfolded)[:n_live].view(torch.int16).clone()
@@ -728,8 +735,7 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
     FMA contraction as in production), over 10 graph replays."""
     case = Case(f"tp8-moved-{n_live}of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 620 + n_live), device)
-    cfg = dataclasses.replace(moe_launch(3072, 192), silu_in_down=False, fold_combine=False,
-                              down_rows=False)
+    cfg = separate(moe_launch(3072, 192))
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     on = dataclasses.replace(cfg, silu_in_down=moved[0], fold_combine=moved[1],

@@ -497,14 +497,14 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     vc = {"DP": 8, "KP": 32, "KQ": 32, "SEED_FROM_PTR": False, "FIRST_FROM_PTR": False,
           "PDL": False}
     return {
-        "scan": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192, "GREEDY": False,
-                                             "VALS_FROM_PTR": False, "PDL": False}, 8),
-        "scan_vals_ptr": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 8192,
+        "scan": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 2048, "GREEDY": False,
+                                             "VALS_FROM_PTR": False, "PDL": False}, 4),
+        "scan_vals_ptr": build(S._scan_kernel, scan, {"K": 20, "KP": 32, "TILE": 2048,
                                                       "GREEDY": False, "VALS_FROM_PTR": True,
-                                                      "PDL": False}, 8),
-        "scan_greedy": build(S._scan_kernel, scan, {"K": 1, "KP": 2, "TILE": 8192,
+                                                      "PDL": False}, 4),
+        "scan_greedy": build(S._scan_kernel, scan, {"K": 1, "KP": 2, "TILE": 2048,
                                                     "GREEDY": True, "VALS_FROM_PTR": False,
-                                                    "PDL": False}, 8),
+                                                    "PDL": False}, 4),
         "merge_final": build(S._merge_kernel, merge, fin),
         "merge_final_no_libdevice": build(S._merge_kernel, merge, fin | {"LIBDEVICE": False}),
         "merge_final_seed_ptr_ones": build(S._merge_kernel, merge, fin | {
@@ -546,7 +546,7 @@ def test_compiled_kernels_build_for_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("R,shards", [(8, 1), (1, 1), (8, 8)])
 def test_real_shapes(R, shards, device):
-    """V = 160000 with the pinned launch (tiles of 8192), unsharded and as 8 shards of 20000."""
+    """V = 160000 with the pinned launch (tiles of 2048), unsharded and as 8 shards of 20000."""
     V, params = 160000, SP()
     x = make_logits(R, V, 31 + R + shards, "normal")
     pos = torch.arange(R, dtype=torch.int64) + 123456
