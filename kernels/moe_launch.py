@@ -73,7 +73,8 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     device_type "cuda": chosen on the H200
     (reports/benchmarks/h200-2026-12-01/session9/exp_moe*.log, whole MoE as CUDA-graph replays
     streaming the experts from HBM): per TP8 rank (H 3072, I 192) gate/up in 32-channel tiles
-    split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down in 64-channel tiles, 2 warps:
+    split into 4 K chunks of 6 blocks, 2 warps, 3 stages; down (then slot-major) in 64-channel
+    tiles, 2 warps:
     21.8 / 34.6 / 41.5 µs at 1 / 6 / 8 rows (8 / 35 / 45 distinct experts) vs 35.9 / 45.5 / 48.6
     µs for 32 / 128 tiles with 4 warps and no split (3 splits: 22.0 / 35.6 /
     40.0; 4 warps: 21.9 / 38.1 / 44.5 with 6 splits).
@@ -89,7 +90,10 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     --variant down_rows=1`) 28.7 / 39.0 / 47.8 / 54.7 µs vs 23.7 / 39.1 / 49.6 / 59.3 µs at 1 /
     4 / 6 / 8 rows — slower for the draft's single row, but the round gains. silu_in_down stays
     off: 76 / 192 / 264 / 336 µs at the same rows (every down tile recomputes its rows'
-    SiLU·up and quantization)."""
+    SiLU·up and quantization). With down_rows, down in 32-channel tiles (`--launch
+    moe.down_block_n=…` in the round, H100, 4 of 4 pairs at widths 6 / 8, 1K / 4K): 32 channels
+    1.6–1.9 % faster rounds than 64; 128 channels 3.0–3.6 % slower; 4 warps 2.0–2.6 % slower;
+    3 stages ±0.2 %."""
     if device_type == "cpu":
         return MoeLaunch(
             gate_up_block_n=max(16, triton.next_power_of_2(inter)),
@@ -98,7 +102,7 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
         )
     return MoeLaunch(
         gate_up_block_n=32,
-        down_block_n=64,
+        down_block_n=32,
         combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
         gate_up_stages=3,
         down_stages=2,
