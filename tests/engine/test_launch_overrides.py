@@ -41,7 +41,7 @@ def test_parse_and_label_round_trip():
     ("tails.block_e=2,tails.block_e=4", "a field is named twice"),
 ])
 def test_bad_overrides_name_the_field(text, message):
-    with pytest.raises(LaunchOverrideError, match=None) as e:
+    with pytest.raises(LaunchOverrideError) as e:
         LaunchOverrides.parse(text)
     assert message in str(e.value)
 
