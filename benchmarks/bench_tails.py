@@ -88,19 +88,20 @@ def build(spec: Spec, device) -> Problem:
     )
 
 
-def kernel_call(p: Problem, copy: int = 0, config=None, out=None):
+def kernel_call(p: Problem, copy: int = 0, config=None, out=None, trace=None):
+    """trace: [programs, 8] int64 per-program timestamps (kernels/timeline.py)."""
     from kernels.tails import attn_tail, moe_tail
 
     s = p.spec
     if s.tail == "moe":
         return lambda: moe_tail(p.partials, p.resid, p.norms[0], p.n_live, p.flag, eps=EPS,
                                 ffn_out_scale=FFN_SCALE, max_polls=1 << 20, rearm=p.rearm,
-                                out=out, config=config)
+                                out=out, config=config, trace=trace)
     rw = p.router_w[copy % len(p.router_w)] if s.router else None
     return lambda: attn_tail(p.partials, p.resid, p.norms[0], p.norms[1], p.n_live, p.flag,
                              eps=EPS, attn_out_scale=1.0, max_polls=1 << 20, rearm=p.rearm,
                              router_w=rw, top_k=s.top_k if s.router else 0, scratch=p.scratch,
-                             out=out, config=config)
+                             out=out, config=config, trace=trace)
 
 
 def torch_call(p: Problem, copy: int = 0):

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kernels.launch import pdl_enter
 from kernels.readiness import wait_ready
+from kernels.timeline import stamp
 
 
 @triton.jit
@@ -95,18 +96,22 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
              stride_ir, stride_ik, stride_wr, stride_wk, n_router,
              HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
              TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-             REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False):
-    """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes."""
+             REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False,
+             trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
+    """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes.
+    TRACE (kernels/timeline.py): slot 2 after the arrival, slot 3 after the finish."""
     tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
              mask=rl[:, None] & em[None, :])
     # release: every thread's logits are stored before the counter moves
     tl.debug_barrier()
     done = tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    stamp(trace_ptr, pid, 2, TRACE)
     if done == n_router - 1:
         _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                       stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                       HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN,
                       PACKED)
+        stamp(trace_ptr, pid, 3, TRACE)
 
 
 @triton.jit
@@ -116,11 +121,17 @@ def _router_program(
     HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr, PACKED: tl.constexpr = False,
+    PREFETCH_W: tl.constexpr = False, trace_ptr=None, pid=0, TRACE: tl.constexpr = False,
 ):
     """Experts [j·BLOCK_E, (j+1)·BLOCK_E) for all live rows; the last one to finish routes.
     UNROLL_K: poll the whole router input at once instead of chunk by chunk (a chunk-by-chunk
     wait is a chain of dependent volatile loads and reductions: measured 47–49 µs per tail on
-    the H200 at any row count, 24 chunks)."""
+    the H200 at any row count, 24 chunks).
+    PREFETCH_W (chunked path): load every chunk of this program's router weights before the
+    first wait, so the HBM reads overlap the row programs instead of following each chunk's
+    wait; the same products summed in the same order (bit-equal logits).
+    TRACE (kernels/timeline.py, pid = the launch's program id): slot 1 once the logits are
+    computed, then _publish's slots."""
     rows = tl.arange(0, ROUTE_ROWS)
     rl = rows < n
     e = j * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -149,6 +160,19 @@ def _router_program(
             ok = (tl.max(bad, axis=None) == 0).to(tl.int32)
             polls += 1
         acc = tl.sum(acc3, axis=2)
+    elif PREFETCH_W:
+        ok = tl.full([], 1, tl.int32)
+        ws = ()  # one [BE, BK] tile per chunk, all loads issued before any wait
+        for c in tl.static_range(0, HIDDEN, BLOCK_K):
+            kk = c + tl.arange(0, BLOCK_K)
+            ws = ws + (tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                               mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
+        for c in tl.static_range(0, HIDDEN, BLOCK_K):
+            kk = c + tl.arange(0, BLOCK_K)
+            r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                                rl[:, None] & (kk < HIDDEN)[None, :], max_polls)  # [RR, BK]
+            ok = ok & got
+            acc += tl.sum(r[:, None, :] * ws[c // BLOCK_K][None, :, :], axis=2)
     else:
         ok = tl.full([], 1, tl.int32)
         for k0 in range(0, HIDDEN, BLOCK_K):
@@ -162,9 +186,10 @@ def _router_program(
             acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
     tl.store(flag_ptr, 1, mask=ok == 0)
     acc = tl.where(ok != 0, acc, float("nan"))
+    stamp(trace_ptr, pid, 1, TRACE)
     _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
              stride_ir, stride_ik, stride_wr, stride_wk, n_router, HIDDEN, EXPERTS, BLOCK_EALL,
-             TOP_K, BLOCK_TOPK, BLOCK_K, True, PACKED)
+             TOP_K, BLOCK_TOPK, BLOCK_K, True, PACKED, trace_ptr, pid, TRACE)
 
 
 @triton.jit

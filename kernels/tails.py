@@ -44,6 +44,7 @@ from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.router import RouterScratch, _router_program
 from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
+from kernels.timeline import check_trace, stamp, stamp_start
 from kernels.twin import twin
 from reference.op_types import AttnTailOut, MoeTailOut
 from reference.twins import tails as _twins
@@ -51,6 +52,8 @@ from reference.twins import tails as _twins
 # a TP8 O-projection ring holds 8 ranks × S split-K partials (24 at the IQuest-Q1 rank shape,
 # S = 3; found by `bench round --tp 2` on two H200s); the sum is unrolled, one load each
 MAX_PARTIALS = 64
+# TailLaunch.prefetch_w holds every chunk's [block_e, block_k] weight tile in registers
+MAX_PREFETCH_CHUNKS = 4
 
 
 @triton.jit
@@ -80,13 +83,14 @@ def _attn_row_program(
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr,
+    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
+    stamp(trace_ptr, row, 1, TRACE)
     m = cmask & live
     a = _bf16(acc)  # the o_proj output a
     w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
@@ -104,8 +108,10 @@ def _attn_row_program(
         # un-rounded FP32 router input; +inf on failure so router programs do not wait for it
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
+    stamp(trace_ptr, row, 2, TRACE)
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
         quantize_row(f, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
+    stamp(trace_ptr, row, 3, TRACE)
 
 
 @triton.jit
@@ -121,10 +127,12 @@ def _attn_tail_kernel(
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
-    PACKED_TOPK: tl.constexpr, PDL: tl.constexpr,
+    PACKED_TOPK: tl.constexpr, PREFETCH_W: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
+    stamp_start(trace_ptr, pid, TRACE)
     n = tl.load(n_live_ptr)
     if pid < ROWS:
         _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
@@ -132,13 +140,13 @@ def _attn_tail_kernel(
                           stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an,
                           stride_ar, stride_qr, stride_sr, pid, n, eps, scale, max_polls,
                           HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS,
-                          TABLE, PART_BF16, REARM_PARTS)
+                          TABLE, PART_BF16, REARM_PARTS, trace_ptr, TRACE)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
                         pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
-                        BLOCK_K, UNROLL_K, PACKED_TOPK)
+                        BLOCK_K, UNROLL_K, PACKED_TOPK, PREFETCH_W, trace_ptr, pid, TRACE)
 
 
 @triton.jit
@@ -150,16 +158,18 @@ def _moe_tail_kernel(
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr, PDL: tl.constexpr,
+    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     row = tl.program_id(0)
+    stamp_start(trace_ptr, row, TRACE)
     n = tl.load(n_live_ptr)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
+    stamp(trace_ptr, row, 1, TRACE)
     m = cmask & live
     f = _bf16(acc)  # the experts' output f
     h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
@@ -171,8 +181,10 @@ def _moe_tail_kernel(
     if WRITE_X:
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
+    stamp(trace_ptr, row, 2, TRACE)
     if QUANT:  # the next layer's QKV operand
         quantize_row(xn, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
+    stamp(trace_ptr, row, 3, TRACE)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -257,6 +269,7 @@ def attn_tail(
     router_max_polls: int = 1 << 20,
     quantize: bool = False,
     pdl: bool = False,
+    trace: torch.Tensor | None = None,  # [R + router programs, 8] int64 (kernels/timeline.py)
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
     reference.twins.tails.attn_tail_ref, padding rows untouched.
@@ -269,7 +282,10 @@ def attn_tail(
     in the failure flag, not a hang.
     quantize: also out.fq / out.sf = kernels.fp8.quantize_act(f_in) bit for bit (the experts'
     gate/up operand, so that moe_fp8 needs no quantization launch).
-    pdl: programmatic dependent launch (kernels/launch.py)."""
+    pdl: programmatic dependent launch (kernels/launch.py).
+    trace (CUDA only): per-program timestamps, slots 0 start; row programs 1 partials summed,
+    2 h / f_in / router input stored, 3 end; router programs 1 logits computed, 2 arrived on
+    the counter, 3 (the last) routed."""
     p = partials_arg(partials)
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,), device=p.device)
@@ -302,6 +318,11 @@ def attn_tail(
             raise ValueError("scratch: r_in and logits must be contiguous")
     elif top_k or scratch is not None:
         raise ValueError("top_k / scratch given without router_w")
+    if router and cfg.prefetch_w and (cfg.unroll_k
+                                      or -(-hidden // cfg.block_k) > MAX_PREFETCH_CHUNKS):
+        raise ValueError(f"config.prefetch_w: needs the chunked router (unroll_k off) and at "
+                         f"most {MAX_PREFETCH_CHUNKS} chunks of block_k {cfg.block_k} over "
+                         f"H {hidden}")
     if not isinstance(router_max_polls, int) or not 1 <= router_max_polls < 2**31:
         raise ValueError(
             f"router_max_polls: expected an int in [1, 2^31), got {router_max_polls!r}"
@@ -326,6 +347,8 @@ def attn_tail(
     sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, dummy)
+    if trace is not None:
+        check_trace(trace, rows + n_route, dev)
     _attn_tail_kernel[(rows + n_route,)](
         p.arg, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
         re_ptr, dummy if polls is None else polls, fail_flag, n,
@@ -340,7 +363,9 @@ def attn_tail(
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
-        PACKED_TOPK=cfg.packed_topk, num_warps=cfg.num_warps,
+        PACKED_TOPK=cfg.packed_topk, PREFETCH_W=cfg.prefetch_w,
+        trace_ptr=dummy if trace is None else trace, TRACE=trace is not None,
+        num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out
@@ -363,11 +388,14 @@ def moe_tail(
     config: TailLaunch | None = None,
     quantize: bool = False,
     pdl: bool = False,
+    trace: torch.Tensor | None = None,  # [R, 8] int64 (kernels/timeline.py)
 ) -> MoeTailOut:
     """MoE tail of a layer ≥ 1; outputs as reference.twins.tails.moe_tail_ref, padding rows
     untouched. quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next
     layer's QKV operand, so that its GEMM needs no quantization launch).
-    pdl: programmatic dependent launch (kernels/launch.py)."""
+    pdl: programmatic dependent launch (kernels/launch.py).
+    trace (CUDA only): per-row-program timestamps, slots 0 start, 1 partials summed, 2 xn / x
+    stored, 3 end."""
     p = partials_arg(partials)
     cfg = config or tail_launch(p.shape[-1])
     npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
@@ -386,6 +414,8 @@ def moe_tail(
     out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, out.xn)
+    if trace is not None:
+        check_trace(trace, rows, dev)
     _moe_tail_kernel[(rows,)](
         p.arg, h, next_norm, out.xn, x, re_ptr,
         out.xn if polls is None else polls, fail_flag, n, q, s,
@@ -395,7 +425,8 @@ def moe_tail(
         HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
         GROUPS=groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
-        REARM_PARTS=re_parts, num_warps=cfg.num_warps,
+        REARM_PARTS=re_parts, trace_ptr=out.xn if trace is None else trace,
+        TRACE=trace is not None, num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out

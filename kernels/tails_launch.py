@@ -16,6 +16,7 @@ class TailLaunch:
     block_k: int = 128  # hidden columns per router step
     unroll_k: bool = False  # router: poll all of its input at once (see _router_program)
     packed_topk: bool = False  # router finish: one int64 max per top-k step (_route_finish)
+    prefetch_w: bool = False  # router: all weight chunks loaded before the first wait
 
 
 def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:

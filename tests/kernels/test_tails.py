@@ -28,6 +28,8 @@ import torch
 from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail, tail_launch
+from kernels.tails_launch import pow2
+from kernels.timeline import new_trace
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.config import preset
@@ -312,6 +314,102 @@ def test_packed_topk_finish_is_bit_identical(case, device):
                 assert r.index(lo + 1) == r.index(lo) + 1, r
                 pairs += 1
     assert pairs >= 1
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], REAL], ids=lambda c: c.name)
+def test_prefetched_router_weights_are_bit_identical(case, device):
+    """TailLaunch.prefetch_w loads every weight chunk before the first wait: the same products
+    summed in the same order, so logits, ids and weights equal the chunked launch's bits (at
+    4 chunks of 32 columns on the small shapes, the pinned 3 × 1024 at the real one)."""
+    if device.type == "cpu" and case is REAL:
+        pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
+    d_cpu = make_inputs(case, 110 + (CASES.index(case) if case in CASES else 9))
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    if case is not REAL:
+        base = replace(base, block_k=pow2(-(-case.hidden // 4)))
+    n = case.n_live
+    ref, ref_scratch, _, _, _ = run_attn(case, d, device, base)
+    ref_logits = ref_scratch.logits.cpu()[:n]
+    out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, prefetch_w=True))
+    assert flag.item() == 0
+    assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
+    assert torch.equal(scratch.logits.cpu()[:n].view(torch.int32), ref_logits.view(torch.int32))
+    assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
+    assert torch.equal(out.weights.cpu()[:n].view(torch.int32),
+                       ref.weights.cpu()[:n].view(torch.int32))
+    check_routing(case, out, scratch.logits.cpu()[:n], twin_logits(case, d_cpu),
+                  twin_attn(case, d_cpu))
+
+
+def test_prefetch_and_trace_errors(device):
+    case = CASES[1]
+    d = on(make_inputs(case, 6), device)
+    base = tail_launch(case.hidden, case.experts)
+    with pytest.raises(ValueError, match="config.prefetch_w: needs the chunked router"):
+        run_attn(case, d, device, replace(base, prefetch_w=True, unroll_k=True))
+    with pytest.raises(ValueError, match=r"at most 4 chunks of block_k 16 over H 128"):
+        run_attn(case, d, device, replace(base, prefetch_w=True, block_k=16))
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    if device.type == "cpu":
+        trace = torch.zeros(case.rows, 8, dtype=torch.int64)
+        with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
+            moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                     ffn_out_scale=1.0, max_polls=4, trace=trace)
+        with pytest.raises(ValueError, match="trace: kernel timestamps need a CUDA device"):
+            new_trace(case.rows, device)
+    else:
+        with pytest.raises(ValueError, match=r"trace: expected a contiguous int64 \[8, 8\]"):
+            moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                     ffn_out_scale=1.0, max_polls=4, trace=new_trace(case.rows + 1, device))
+
+
+@pytest.mark.gpu
+def test_traced_launch_orders_its_stamps_gpu(device):
+    """A traced attention tail (real shape, 6 of 8 rows) computes the untraced launch's bits,
+    and its stamps follow the kernel's causality: within each program in program order; every
+    router program's logits after every live row had summed its partials (the rows' router
+    input is stored after that stamp, the router waited for it); the one routing program
+    (slot 3 set) arrived after every router program had its logits. The MoE tail likewise."""
+    case = replace(REAL, name="real-6of8-N8", n_live=6)
+    d = on(make_inputs(case, 120), device)
+    base = tail_launch(case.hidden, case.experts)
+    ref, ref_scratch, _, _, _ = run_attn(case, d, device, base)
+    ref_logits = ref_scratch.logits.clone()
+    n_route = -(-case.experts // base.block_e)
+    trace = new_trace(case.rows + n_route, device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    scratch = RouterScratch.create(case.hidden, case.experts, device)
+    out = attn_tail(d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"],
+                    flag, eps=EPS, attn_out_scale=case.scale, max_polls=4,
+                    rearm=torch.full((case.rows, case.hidden), 5.0, device=device),
+                    router_w=d["router_w"], top_k=case.top_k, scratch=scratch,
+                    out=poisoned_attn_out(case, device), config=base, quantize=True,
+                    trace=trace)
+    torch.cuda.synchronize()
+    assert flag.item() == 0
+    for a, b in ((out.h, ref.h), (out.f_in, ref.f_in), (out.fq, ref.fq), (out.sf, ref.sf),
+                 (out.ids, ref.ids), (out.weights, ref.weights), (scratch.logits, ref_logits)):
+        assert torch.equal(a[:6].cpu().view(torch.uint8), b[:6].cpu().view(torch.uint8))
+    t = trace.cpu()
+    rows, route = t[:case.rows], t[case.rows:]
+    assert (rows[:, :4] > 0).all() and (route[:, :3] > 0).all()
+    assert (rows[:, :3] <= rows[:, 1:4]).all() and (route[:, :2] <= route[:, 1:3]).all()
+    assert (route[:, 1] >= rows[:6, 1].max()).all()
+    last = (route[:, 3] > 0).nonzero().flatten()
+    assert last.numel() == 1
+    assert route[last, 2] >= route[:, 1].max() and route[last, 3] >= route[last, 2]
+    assert ((t[:, 7] >= 0) & (t[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count)
+            ).all()
+    mo_trace = new_trace(case.rows, device)
+    mo = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                  ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True, trace=mo_trace)
+    plain = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                     ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True)
+    torch.cuda.synchronize()
+    assert torch.equal(mo.xn[:6].cpu().view(torch.int16), plain.xn[:6].cpu().view(torch.int16))
+    m = mo_trace.cpu()
+    assert (m[:, :4] > 0).all() and (m[:, :3] <= m[:, 1:4]).all()
 
 
 @pytest.mark.gpu
@@ -661,20 +759,23 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                            options={"num_warps": warps, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
         keys = ("ld.volatile.global", "atom.global.gpu.acq_rel", "bar.sync", "fma.rn.f32",
-                "sqrt.rn.f32", "div.rn.f32", "ex2.approx")
+                "sqrt.rn.f32", "div.rn.f32", "ex2.approx", "%globaltimer", "ld.global")
         return {key: ptx.count(key) for key in keys}
 
     bf, i32 = "*bf16", "*i32"
     common = {"xn_ptr": bf, "w_aon_ptr": bf, "w_ffn_ptr": bf, "h_ptr": bf, "f_ptr": bf,
               "polls_ptr": i32, "flag_ptr": i32, "n_live_ptr": i32, "cnt_ptr": i32,
-              "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf}
+              "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf, "trace_ptr": "*i64"}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router, unroll, packed in ((True, False, False), (True, True, False),
-                                   (True, False, True), (False, False, False)):
+    for router, unroll, packed, prefetch, trace in (
+            (True, False, False, False, False), (True, True, False, False, False),
+            (True, False, True, False, False), (False, False, False, False, False),
+            (True, False, False, True, False), (True, False, False, False, True)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
-              + ("_packed" if packed else "")] = build(
+              + ("_packed" if packed else "") + ("_prefetch" if prefetch else "")
+              + ("_trace" if trace else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
                                            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
@@ -682,15 +783,17 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
-                "REARM_PARTS": 1, "PACKED_TOPK": packed, "PDL": False},
+                "REARM_PARTS": 1, "PACKED_TOPK": packed, "PREFETCH_W": prefetch,
+                "TRACE": trace, "PDL": False},
             cfg.num_warps)
-    for quant in (False, True):  # the quantizing MoE tail reads its partials through a table
-        table = {"part_ptr": "*i64"} if quant else {}
-        stats["moe" + ("_quant" if quant else "")] = build(
+    for quant, trace in ((False, False), (True, False), (True, True)):
+        table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
+        stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")] = build(
             T._moe_tail_kernel, common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"} | table, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": False, "WRITE_X": True, "QUANT": quant, "GROUPS": 32,
-                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant, "PDL": False},
+                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant, "TRACE": trace,
+                "PDL": False},
             cfg.num_warps)
     return stats
 
@@ -718,6 +821,15 @@ def test_compiled_kernels_build_for_sm90():
     assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
     # the quantizing MoE tail divides more: each group's scale and each value by it (IEEE)
     assert stats["moe_quant"]["div.rn.f32"] > stats["moe"]["div.rn.f32"]
+    # timestamps only when traced: start + 3 per row program, 3 per router program
+    assert all(s["%globaltimer"] == 0 for name, s in stats.items() if "trace" not in name)
+    assert stats["attn_routerTrue_trace"]["%globaltimer"] >= 7
+    assert stats["moe_quant_trace"]["%globaltimer"] >= 4
+    # prefetched router weights: the same volatile polls, the same single arrival; the weight
+    # loads leave the chunk loop, which is unrolled (3 chunks of 1024 at H 3072)
+    pre, base = stats["attn_routerTrue_prefetch"], stats["attn_routerTrue"]
+    assert pre["atom.global.gpu.acq_rel"] == 1
+    assert pre["ld.global"] > base["ld.global"]
 
 
 if __name__ == "__main__":
