@@ -127,9 +127,10 @@ def _router_program(
     UNROLL_K: poll the whole router input at once instead of chunk by chunk (a chunk-by-chunk
     wait is a chain of dependent volatile loads and reductions: measured 47–49 µs per tail on
     the H200 at any row count, 24 chunks).
-    PREFETCH_W (chunked path): load every chunk of this program's router weights before the
-    first wait, so the HBM reads overlap the row programs instead of following each chunk's
-    wait; the same products summed in the same order (bit-equal logits).
+    PREFETCH_W: load every chunk of this program's router weights before the first wait, so
+    the HBM reads overlap the row programs instead of following each chunk's wait (or, with
+    UNROLL_K, being issued again by every poll); the same products summed in the same order
+    (bit-equal logits with either poll).
     TRACE (kernels/timeline.py, pid = the launch's program id): slot 1 once the logits are
     computed, then _publish's slots."""
     rows = tl.arange(0, ROUTE_ROWS)
@@ -137,6 +138,12 @@ def _router_program(
     e = j * BLOCK_E + tl.arange(0, BLOCK_E)
     em = e < EXPERTS
     acc = tl.zeros([ROUTE_ROWS, BLOCK_E], tl.float32)
+    if PREFETCH_W:
+        ws = ()  # one [BE, BK] tile per chunk, all loads issued before any wait
+        for c in tl.static_range(0, HIDDEN, BLOCK_K):
+            kk = c + tl.arange(0, BLOCK_K)
+            ws = ws + (tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                               mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
     if UNROLL_K:
         # one poll reads every chunk (unrolled, no reduction inside: the loads can all be in
         # flight together); products accumulate per lane, reduced once at the end (another
@@ -154,19 +161,17 @@ def _router_program(
                 r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
                             mask=rl[:, None] & km[None, :], other=0.0, volatile=True)
                 bad = bad | (r != r).to(tl.int32)
-                w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
-                            mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
+                if PREFETCH_W:
+                    w = ws[k0 // BLOCK_K]
+                else:
+                    w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                                mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
                 acc3 += r[:, None, :] * w[None, :, :]
             ok = (tl.max(bad, axis=None) == 0).to(tl.int32)
             polls += 1
         acc = tl.sum(acc3, axis=2)
     elif PREFETCH_W:
         ok = tl.full([], 1, tl.int32)
-        ws = ()  # one [BE, BK] tile per chunk, all loads issued before any wait
-        for c in tl.static_range(0, HIDDEN, BLOCK_K):
-            kk = c + tl.arange(0, BLOCK_K)
-            ws = ws + (tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
-                               mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
         for c in tl.static_range(0, HIDDEN, BLOCK_K):
             kk = c + tl.arange(0, BLOCK_K)
             r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],

@@ -318,11 +318,9 @@ def attn_tail(
             raise ValueError("scratch: r_in and logits must be contiguous")
     elif top_k or scratch is not None:
         raise ValueError("top_k / scratch given without router_w")
-    if router and cfg.prefetch_w and (cfg.unroll_k
-                                      or -(-hidden // cfg.block_k) > MAX_PREFETCH_CHUNKS):
-        raise ValueError(f"config.prefetch_w: needs the chunked router (unroll_k off) and at "
-                         f"most {MAX_PREFETCH_CHUNKS} chunks of block_k {cfg.block_k} over "
-                         f"H {hidden}")
+    if router and cfg.prefetch_w and -(-hidden // cfg.block_k) > MAX_PREFETCH_CHUNKS:
+        raise ValueError(f"config.prefetch_w: needs at most {MAX_PREFETCH_CHUNKS} chunks of "
+                         f"block_k {cfg.block_k} over H {hidden}")
     if not isinstance(router_max_polls, int) or not 1 <= router_max_polls < 2**31:
         raise ValueError(
             f"router_max_polls: expected an int in [1, 2^31), got {router_max_polls!r}"

@@ -316,16 +316,18 @@ def test_packed_topk_finish_is_bit_identical(case, device):
     assert pairs >= 1
 
 
+@pytest.mark.parametrize("unroll", [False, True], ids=["chunked", "unrolled"])
 @pytest.mark.parametrize("case", [CASES[1], CASES[5], REAL], ids=lambda c: c.name)
-def test_prefetched_router_weights_are_bit_identical(case, device):
+def test_prefetched_router_weights_are_bit_identical(case, unroll, device):
     """TailLaunch.prefetch_w loads every weight chunk before the first wait: the same products
-    summed in the same order, so logits, ids and weights equal the chunked launch's bits (at
-    4 chunks of 32 columns on the small shapes, the pinned 3 × 1024 at the real one)."""
+    summed in the same order, so logits, ids and weights equal the bits of the launch without
+    it, chunked or unrolled poll (at 4 chunks of 32 / 64 columns on the small shapes, the
+    pinned 3 × 1024 at the real one)."""
     if device.type == "cpu" and case is REAL:
         pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
     d_cpu = make_inputs(case, 110 + (CASES.index(case) if case in CASES else 9))
     d = on(d_cpu, device, case.strided)
-    base = tail_launch(case.hidden, case.experts)
+    base = replace(tail_launch(case.hidden, case.experts), unroll_k=unroll)
     if case is not REAL:
         base = replace(base, block_k=pow2(-(-case.hidden // 4)))
     n = case.n_live
@@ -346,9 +348,8 @@ def test_prefetch_and_trace_errors(device):
     case = CASES[1]
     d = on(make_inputs(case, 6), device)
     base = tail_launch(case.hidden, case.experts)
-    with pytest.raises(ValueError, match="config.prefetch_w: needs the chunked router"):
-        run_attn(case, d, device, replace(base, prefetch_w=True, unroll_k=True))
-    with pytest.raises(ValueError, match=r"at most 4 chunks of block_k 16 over H 128"):
+    with pytest.raises(ValueError,
+                       match=r"prefetch_w: needs at most 4 chunks of block_k 16 over H 128"):
         run_attn(case, d, device, replace(base, prefetch_w=True, block_k=16))
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     if device.type == "cpu":
@@ -771,7 +772,8 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     for router, unroll, packed, prefetch, trace in (
             (True, False, False, False, False), (True, True, False, False, False),
             (True, False, True, False, False), (False, False, False, False, False),
-            (True, False, False, True, False), (True, False, False, False, True)):
+            (True, False, False, True, False), (True, True, False, True, False),
+            (True, False, False, False, True)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
               + ("_packed" if packed else "") + ("_prefetch" if prefetch else "")
@@ -830,6 +832,10 @@ def test_compiled_kernels_build_for_sm90():
     pre, base = stats["attn_routerTrue_prefetch"], stats["attn_routerTrue"]
     assert pre["atom.global.gpu.acq_rel"] == 1
     assert pre["ld.global"] > base["ld.global"]
+    # with the unrolled poll too: the same polls, one arrival
+    pre_u, base_u = stats["attn_routerTrue_unrolled_prefetch"], stats["attn_routerTrue_unrolled"]
+    assert pre_u["ld.volatile.global"] == base_u["ld.volatile.global"]
+    assert pre_u["atom.global.gpu.acq_rel"] == 1
 
 
 if __name__ == "__main__":
