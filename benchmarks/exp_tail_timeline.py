@@ -148,7 +148,10 @@ def main(argv=None) -> list[dict]:
                   + ", ".join(f"{k} {v[0]:.2f}" for k, v in ms.items()), flush=True)
     md = table(results)
     print(md)
+    from iquestrt.report.provenance import code_identity
+
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "code": code_identity(),
             "pinned": {t: asdict(tail_launch(3072, 256 if t == "attn+router" else 0))
                        for t in args.tails}}
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ import torch
 from benchmarks.rank.floor import kv_growth_bytes
 from benchmarks.rank.shapes import rank_config
 from iquestrt import outputs
-from iquestrt.experiment.record import revision
+from iquestrt.report.provenance import code_identity
 from iquestrt.report.svg import line_chart
 
 OUTPUT = outputs.OutputSpec("--out", "record.json")
@@ -22,8 +22,9 @@ TARGET_RATIO, TARGET_GROWTH, TARGET_SPEEDUP = 1.5, 1.2, 5.0
 
 
 def environment() -> dict:
-    rev = revision()  # dirty: `git status --porcelain` lines, status code kept (" M p" → "M p")
+    rev = code_identity()  # dirty: `git status --porcelain` lines, status kept (" M p" → "M p")
     env = {"revision": rev["commit"], "dirty_files": rev["dirty"],
+           "source_digest": rev["source_digest"], "claimed_revision": rev["claimed_revision"],
            "torch": torch.__version__, "python": platform.python_version()}
     try:
         import triton
@@ -82,6 +83,10 @@ def markdown(rec: dict) -> str:
     lines = [f"# Per-rank IQuest-Q1 round benchmark — {env.get('gpu', 'no GPU')}", "",
              f"Revision `{env['revision']}`" + (f" (+{len(env['dirty_files'])} uncommitted files)"
                                                if env["dirty_files"] else "")
+             + (f" (runner's commit `{env['claimed_revision']}`)"
+                if env.get("claimed_revision") else "")
+             + (f", source digest `{env['source_digest'][:16]}`"
+                if env.get("source_digest") else "")
              + f", torch {env['torch']}, Triton {env['triton']}. Command: `{rec['command']}`. "
              f"Copy bandwidth measured in this run: {rec['bandwidth'] / 1e12:.3f} TB/s. "
              f"Wall time {rec['wall_s']:.0f} s; peak allocated "

@@ -6,6 +6,13 @@ installed wheel lives in site-packages, which may sit inside some other git repo
 inside a checkout), and that repository's HEAD says nothing about the installed code. Outside a
 checkout, or without a usable git, the commit is "unknown" and the worktree state "unknown".
 
+Source digest. The sha256 of a `sha256sum`-format manifest of every *.py file under the code
+directories (SOURCE_DIRS) of the package's parent, sorted by path: what the measured code was
+even where git cannot say — a copy whose git metadata is older than its files (a device machine
+given a working tree). Anyone can recompute it at a commit (`python -m
+iquestrt.report.provenance` in a checkout of it) and compare. IQUESTRT_REVISION, when set,
+is the commit the runner says it copied; records keep it beside git's answer and the digest.
+
 Checkpoint hash. The sha256 of a manifest in `sha256sum` format: one line
 "<sha256 of the file>  <path relative to the checkpoint>\\n" per covered file, sorted by path.
 Covered: every file named *.safetensors or *.json anywhere under the checkpoint directory
@@ -17,6 +24,7 @@ CHECKPOINT_SHA256_SHELL, run in the checkpoint directory.
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +33,9 @@ PACKAGE_PARENT = Path(__file__).resolve().parents[2]  # the checkout root when r
 UNKNOWN = "unknown"
 COVERED_SUFFIXES = (".safetensors", ".json")
 CHUNK_BYTES = 1 << 20
+SOURCE_DIRS = ("benchmarks", "iquestrt", "kernels", "negative_controls", "qualification",
+               "reference")
+REVISION_ENV = "IQUESTRT_REVISION"
 CHECKPOINT_SHA256_SHELL = (
     "find -L . -type f \\( -name '*.safetensors' -o -name '*.json' \\) -printf '%P\\n' "
     "| LC_ALL=C sort | xargs -d '\\n' sha256sum | sha256sum")
@@ -54,6 +65,24 @@ def revision(root: Path = PACKAGE_PARENT) -> dict:
     return {"commit": head.strip(), "worktree": "dirty" if dirty else "clean", "dirty": dirty}
 
 
+def source_digest(root: Path = PACKAGE_PARENT) -> str:
+    """The sha256 of the manifest of SOURCE_DIRS' *.py files under root (module docstring);
+    "unknown" when root holds none of them."""
+    root = Path(root)
+    files = sorted((p.relative_to(root).as_posix(), p) for d in SOURCE_DIRS
+                   for p in (root / d).rglob("*.py") if p.is_file())
+    if not files:
+        return UNKNOWN
+    manifest = "".join(f"{file_sha256(p)}  {rel}\n" for rel, p in files)
+    return hashlib.sha256(manifest.encode()).hexdigest()
+
+
+def code_identity(root: Path = PACKAGE_PARENT) -> dict:
+    """revision() + {"source_digest", "claimed_revision": $IQUESTRT_REVISION or None}."""
+    return {**revision(root), "source_digest": source_digest(root),
+            "claimed_revision": os.environ.get(REVISION_ENV) or None}
+
+
 @dataclass(frozen=True)
 class CheckpointHash:
     sha256: str  # of `manifest`
@@ -81,3 +110,7 @@ def checkpoint_hash(directory: Path, chunk_bytes: int = CHUNK_BYTES) -> Checkpoi
         raise ValueError(f"checkpoint hash: {d} holds no *.safetensors or *.json file")
     manifest = "".join(f"{file_sha256(p, chunk_bytes)}  {rel}\n" for rel, p in files)
     return CheckpointHash(hashlib.sha256(manifest.encode()).hexdigest(), manifest)
+
+
+if __name__ == "__main__":
+    print(source_digest())

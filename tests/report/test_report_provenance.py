@@ -126,3 +126,39 @@ def test_checkpoint_hash_bad_input(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="chunk_bytes must be >= 1"):
         checkpoint_hash(tmp_path, chunk_bytes=0)
+
+
+def _write_files(root, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_source_digest_is_the_manifest_hash_of_the_code_dirs(tmp_path):
+    from iquestrt.report.provenance import source_digest
+
+    files = {"kernels/a.py": "x = 1\n", "kernels/sub/b.py": "y = 2\n", "iquestrt/c.py": "z\n"}
+    _write_files(tmp_path, files)
+    _write_files(tmp_path, {"kernels/notes.md": "ignored", "docs/d.py": "ignored: not a code dir"})
+    manifest = "".join(f"{hashlib.sha256(files[rel].encode()).hexdigest()}  {rel}\n"
+                       for rel in sorted(files))
+    assert source_digest(tmp_path) == hashlib.sha256(manifest.encode()).hexdigest()
+    (tmp_path / "kernels/notes.md").write_text("changed")  # not covered
+    (tmp_path / "docs/d.py").write_text("changed")
+    assert source_digest(tmp_path) == hashlib.sha256(manifest.encode()).hexdigest()
+    (tmp_path / "kernels/sub/b.py").write_text("y = 3\n")  # covered: one byte moves it
+    assert source_digest(tmp_path) != hashlib.sha256(manifest.encode()).hexdigest()
+    assert source_digest(tmp_path / "kernels") == "unknown"  # no code dir below it
+
+
+def test_code_identity_keeps_the_runners_claim(tmp_path, monkeypatch):
+    from iquestrt.report.provenance import REVISION_ENV, code_identity, source_digest
+
+    _write_files(tmp_path, {"kernels/a.py": "x = 1\n"})
+    monkeypatch.delenv(REVISION_ENV, raising=False)
+    ident = code_identity(tmp_path)
+    assert ident["claimed_revision"] is None and ident["commit"] == "unknown"
+    assert ident["source_digest"] == source_digest(tmp_path)
+    monkeypatch.setenv(REVISION_ENV, "05e0eb9")
+    assert code_identity(tmp_path)["claimed_revision"] == "05e0eb9"
