@@ -20,6 +20,7 @@ HELPERS = {
     "readiness": "tails",  # the NaN-readiness poll inlined into the tails
     "peer_partials": "tails",  # the tails' table of peer slots
     "launch": "rows",  # pdl_enter, the griddepcontrol wait every PDL kernel inlines
+    "timeline": "tails",  # the timestamps a traced tail stores (no value of the op changes)
 }
 # an op whose twins-table call is another twin with the same values, and why
 SAME_VALUES = {
