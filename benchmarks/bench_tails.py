@@ -214,7 +214,7 @@ def bench_one(spec: Spec, reps: int, trials: int, warmup: int, config=None,
 def bench_ab(flag: str, spec: Spec, reps: int, trials: int, warmup: int) -> dict:
     """The attention tail with router at the default launch and with TailLaunch.<flag> on, each
     checked against the twin, timed as CUDA graphs replayed alternately (A B B′ A′ …)."""
-    from kernels.tails import tail_launch
+    from kernels.tails import RouterScratch, tail_launch
 
     p = build(spec, torch.device("cuda"))
     base = tail_launch(spec.hidden, spec.experts)
@@ -222,8 +222,11 @@ def bench_ab(flag: str, spec: Spec, reps: int, trials: int, warmup: int) -> dict
     row = {**asdict(spec), "ab": flag}
     variants = {}
     for name, cfg in cfgs.items():
-        row[f"check_{name}"] = check_against_twin(p, cfg)
-        variants[name] = [kernel_call(p, j, cfg) for j in range(max(1, len(p.router_w)))]
+        # a scratch per variant: one waiting on r_in's NaN cannot follow one that leaves it
+        # written (TailLaunch.count_ready; kernels/router.py)
+        pv = replace(p, scratch=RouterScratch.create(spec.hidden, spec.experts, p.flag.device))
+        row[f"check_{name}"] = check_against_twin(pv, cfg)
+        variants[name] = [kernel_call(pv, j, cfg) for j in range(max(1, len(pv.router_w)))]
     row.update({f"{k}_us": v for k, v in
                 time_graphs_alternating(variants, reps, trials, warmup).items()})
     if p.flag.item() != 0:

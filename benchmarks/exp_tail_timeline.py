@@ -15,6 +15,8 @@ replays, the median and the 10th / 90th percentile of each milestone:
                               input stored, quantization done
   router start                the last router program to start
   logits first / last         the first and the last router program with its logits computed
+  softmax / top-k / published the routing program's finish (kernels/router.py _route_finish):
+                              softmax done, top-k chosen, ids and weights stored
   routed                      the routing program's softmax → top-k → renormalize done
   end                         the last stamp of the launch
 
@@ -35,7 +37,8 @@ from benchmarks.bench_tails import Spec, build, check_against_twin, kernel_call
 from benchmarks.timing import capture_graph, time_graph
 
 MILESTONES = ("rows summed", "rows stored", "rows end", "router start", "logits first",
-              "logits last", "routed", "end")
+              "logits last", "softmax", "top-k", "published", "routed", "end")
+FINISH = {"softmax": 4, "top-k": 5, "published": 6}  # the routing program's slots
 
 
 def milestones(trace: torch.Tensor, live: int, rows: int) -> dict[str, torch.Tensor]:
@@ -54,8 +57,10 @@ def milestones(trace: torch.Tensor, live: int, rows: int) -> dict[str, torch.Ten
         out["router start"] = r[:, :, 0].max(dim=1).values
         out["logits first"] = r[:, :, 1].min(dim=1).values
         out["logits last"] = r[:, :, 1].max(dim=1).values
-        routed = torch.where(trace[:, rows:, 3] > 0, r[:, :, 3], float("-inf"))
-        out["routed"] = routed.max(dim=1).values
+        last = trace[:, rows:, 3] > 0  # [L, P − rows]: the routing program
+        for name, slot in FINISH.items():
+            out[name] = torch.where(last, r[:, :, slot], float("-inf")).max(dim=1).values
+        out["routed"] = torch.where(last, r[:, :, 3], float("-inf")).max(dim=1).values
     out["end"] = torch.where(stamped, us[:, :, :7], float("-inf")).amax(dim=(1, 2))
     return out
 

@@ -282,6 +282,21 @@ def wait_ready(ptrs, mask, max_polls):
 
 
 @triton.jit
+def wait_count(ptr, target, max_polls):
+    """Spin (volatile reads) until the int32 counter *ptr reaches target or max_polls reads,
+    then one acquire read (an atomic add of 0, which compiles to ld.global.gpu.acquire): the
+    loads after it see whatever the counted producers stored before their release increment
+    (kernels/tails.py, the router's input). → ready (int32 0/1)."""
+    polls = tl.full([], 0, tl.int32)
+    seen = tl.load(ptr, volatile=True)
+    while (seen < target) & (polls < max_polls):
+        seen = tl.load(ptr, volatile=True)
+        polls += 1
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope="gpu")
+    return (seen >= target).to(tl.int32)
+
+
+@triton.jit
 def ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar, polls_ptr,
               flag_ptr, row, n, cols, cmask, max_polls,
               NPART: tl.constexpr, REARM: tl.constexpr, WRITE_POLLS: tl.constexpr,

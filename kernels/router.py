@@ -2,9 +2,16 @@
 
 Folded into the attention tail launch (kernels/tails.py, `_router_program`): each router
 program takes a block of experts, waits for the row programs' FP32 router input in the
-NaN-armed scratch (RouterScratch.r_in), computes those experts' logits for every live row, and
-the last to finish (an acq_rel counter) does softmax → top-k → renormalize, publishes ids and
-weights, and restores the scratch invariant (r_in all NaN, counter 0) for the next launch.
+scratch (RouterScratch.r_in), computes those experts' logits for every live row, and the last
+to finish (an acq_rel counter) does softmax → top-k → renormalize, publishes ids and weights,
+and restores the scratch invariant (counters 0; with NaN readiness also r_in all NaN) for the
+next launch. Two ways to wait (TailLaunch.count_ready):
+  NaN readiness — r_in is NaN until written; every router program re-reads all of r_in (8 rows
+    × H FP32) until it holds no NaN, and the finish re-arms r_in with NaN;
+  a ready counter — each row program raises RouterScratch.ready (release) after storing its
+    row of r_in; a router program spins on that one int until it counts every row program,
+    then reads r_in once; the finish sets the counter back to 0 and re-arms nothing.
+A scratch serves one of the two: r_in stays finite after a counter launch.
 Every wait is bounded (a failure flag, never a hang).
 
 Standalone (`_route_kernel`, launched by kernels/rows.py route_rows with a RouteScratch): the
@@ -23,7 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.launch import pdl_enter
-from kernels.readiness import wait_ready
+from kernels.readiness import wait_count, wait_ready
 from kernels.timeline import stamp
 
 
@@ -32,8 +39,11 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                   stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                   HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False):
+                  REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False,
+                  trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
     """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
+    TRACE (kernels/timeline.py): slot 4 after the softmax, 5 after the top-k, 6 once ids and
+    weights are stored (before the re-arm).
     REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
     (`_route_kernel`) reads a tensor it does not own and leaves it alone.
     PACKED: each top-k step is one int64 max over keys (p's bits << 32 | EALL − 1 − index)
@@ -52,6 +62,7 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     s = tl.where(rl, tl.sum(p, axis=1), 1.0)
     p = tl.div_rn(p, tl.broadcast_to(s[:, None], p.shape))
     p = tl.where(eam[None, :], p, -1.0)
+    stamp(trace_ptr, pid, 4, TRACE)
     kc = tl.arange(0, BLOCK_TOPK)
     top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
@@ -73,6 +84,7 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
             top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
             top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
             p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
+    stamp(trace_ptr, pid, 5, TRACE)
     wsum = tl.where(rl, tl.sum(top_p, axis=1), 1.0)
     w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))
     w = tl.where(valid[:, None], w, float("nan"))
@@ -81,6 +93,7 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     tl.store(ids_ptr + rows[:, None] * stride_ir + kc[None, :] * stride_ik, ids, mask=km)
     tl.store(wts_ptr + rows[:, None] * stride_wr + kc[None, :] * stride_wk, w, mask=km)
     tl.store(flag_ptr, 1, mask=tl.sum((rl & ~valid).to(tl.int32), axis=0) > 0)
+    stamp(trace_ptr, pid, 6, TRACE)
     # restore the scratch invariant: r_in NaN (rows written this launch), counter 0
     if REARM_RIN:
         for k0 in range(0, HIDDEN, BLOCK_K):
@@ -97,8 +110,11 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
              HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
              TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
              REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False,
-             trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
-    """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes.
+             trace_ptr=None, pid=0, TRACE: tl.constexpr = False,
+             ready_ptr=None, COUNT_READY: tl.constexpr = False):
+    """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes
+    (and with COUNT_READY sets the ready counter back to 0: every router program has passed
+    its wait, since each arrives after it).
     TRACE (kernels/timeline.py): slot 2 after the arrival, slot 3 after the finish."""
     tl.store(logit_ptr + rows[:, None] * EXPERTS + e[None, :], acc,
              mask=rl[:, None] & em[None, :])
@@ -110,18 +126,21 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
         _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                       stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                       HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN,
-                      PACKED)
+                      PACKED, trace_ptr, pid, TRACE)
+        if COUNT_READY:
+            tl.store(ready_ptr, 0)
         stamp(trace_ptr, pid, 3, TRACE)
 
 
 @triton.jit
 def _router_program(
     rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
-    stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls,
+    stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls, ready_ptr, n_rows,
     HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr, PACKED: tl.constexpr = False,
     PREFETCH_W: tl.constexpr = False, trace_ptr=None, pid=0, TRACE: tl.constexpr = False,
+    COUNT_READY: tl.constexpr = False,
 ):
     """Experts [j·BLOCK_E, (j+1)·BLOCK_E) for all live rows; the last one to finish routes.
     UNROLL_K: poll the whole router input at once instead of chunk by chunk (a chunk-by-chunk
@@ -131,6 +150,9 @@ def _router_program(
     the HBM reads overlap the row programs instead of following each chunk's wait (or, with
     UNROLL_K, being issued again by every poll); the same products summed in the same order
     (bit-equal logits with either poll).
+    COUNT_READY: wait until the ready counter counts all n_rows row programs (one int polled
+    instead of all of r_in), then read r_in chunk by chunk — the chunked poll's products and
+    order, so its logits equal the chunked NaN path's bit for bit (UNROLL_K has no effect).
     TRACE (kernels/timeline.py, pid = the launch's program id): slot 1 once the logits are
     computed, then _publish's slots."""
     rows = tl.arange(0, ROUTE_ROWS)
@@ -144,7 +166,20 @@ def _router_program(
             kk = c + tl.arange(0, BLOCK_K)
             ws = ws + (tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
                                mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
-    if UNROLL_K:
+    if COUNT_READY:
+        ok = wait_count(ready_ptr, n_rows, max_polls)
+        for c in tl.static_range(0, HIDDEN, BLOCK_K):
+            kk = c + tl.arange(0, BLOCK_K)
+            km = kk < HIDDEN
+            r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                        mask=rl[:, None] & km[None, :], other=0.0, volatile=True)  # [RR, BK]
+            if PREFETCH_W:
+                w = ws[c // BLOCK_K]
+            else:
+                w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                            mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
+            acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
+    elif UNROLL_K:
         # one poll reads every chunk (unrolled, no reduction inside: the loads can all be in
         # flight together); products accumulate per lane, reduced once at the end (another
         # summation order than the chunked path: the router-logits tolerance row covers both);
@@ -194,7 +229,8 @@ def _router_program(
     stamp(trace_ptr, pid, 1, TRACE)
     _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
              stride_ir, stride_ik, stride_wr, stride_wk, n_router, HIDDEN, EXPERTS, BLOCK_EALL,
-             TOP_K, BLOCK_TOPK, BLOCK_K, True, PACKED, trace_ptr, pid, TRACE)
+             TOP_K, BLOCK_TOPK, BLOCK_K, not COUNT_READY, PACKED, trace_ptr, pid, TRACE,
+             ready_ptr, COUNT_READY)
 
 
 @triton.jit
@@ -279,11 +315,12 @@ class RouteScratch:
 
 @dataclass(frozen=True)
 class RouterScratch:
-    """NaN-armed handoff from row programs to router programs (see the module docstring)."""
+    """Handoff from row programs to router programs (see the module docstring)."""
 
-    r_in: torch.Tensor  # [route_rows, H] fp32, all NaN between launches
+    r_in: torch.Tensor  # [route_rows, H] fp32; NaN readiness: all NaN between launches
     logits: torch.Tensor  # [route_rows, E] fp32, the last launch's logits (live rows)
-    counter: torch.Tensor  # [1] int32, 0 between launches
+    counter: torch.Tensor  # [1] int32 router arrivals, 0 between launches
+    ready: torch.Tensor  # [1] int32 row programs done (TailLaunch.count_ready), 0 between
 
     @classmethod
     def create(cls, hidden: int, experts: int, device, route_rows: int = 8) -> RouterScratch:
@@ -291,9 +328,11 @@ class RouterScratch:
             torch.full((route_rows, hidden), float("nan"), dtype=torch.float32, device=device),
             torch.full((route_rows, experts), float("nan"), dtype=torch.float32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device),
         )
 
     def reset(self) -> None:
         """After a failure flag (device synchronized): restore the invariant."""
         self.r_in.fill_(float("nan"))
         self.counter.zero_()
+        self.ready.zero_()

@@ -77,13 +77,13 @@ def _rms(x, w, eps, HIDDEN: tl.constexpr):
 @triton.jit
 def _attn_row_program(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
-    q_ptr, s_ptr,
+    q_ptr, s_ptr, ready_ptr,
     stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an, stride_ar, stride_qr,
     stride_sr, row, n, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr, COUNT_READY: tl.constexpr,
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
@@ -108,6 +108,9 @@ def _attn_row_program(
         # un-rounded FP32 router input; +inf on failure so router programs do not wait for it
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
+        if COUNT_READY:  # every row program counts, padding rows too (nothing to store)
+            tl.debug_barrier()  # release: every thread's r_in stored before the counter moves
+            tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
     stamp(trace_ptr, row, 2, TRACE)
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
         quantize_row(f, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
@@ -128,7 +131,7 @@ def _attn_tail_kernel(
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
     PACKED_TOPK: tl.constexpr, PREFETCH_W: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
-    PDL: tl.constexpr,
+    ready_ptr, COUNT_READY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -136,17 +139,18 @@ def _attn_tail_kernel(
     n = tl.load(n_live_ptr)
     if pid < ROWS:
         _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
-                          polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr,
+                          polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr, ready_ptr,
                           stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an,
                           stride_ar, stride_qr, stride_sr, pid, n, eps, scale, max_polls,
                           HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS,
-                          TABLE, PART_BF16, REARM_PARTS, trace_ptr, TRACE)
+                          TABLE, PART_BF16, REARM_PARTS, trace_ptr, TRACE, COUNT_READY)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
-                        pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls,
+                        pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls, ready_ptr, ROWS,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
-                        BLOCK_K, UNROLL_K, PACKED_TOPK, PREFETCH_W, trace_ptr, pid, TRACE)
+                        BLOCK_K, UNROLL_K, PACKED_TOPK, PREFETCH_W, trace_ptr, pid, TRACE,
+                        COUNT_READY)
 
 
 @triton.jit
@@ -285,7 +289,8 @@ def attn_tail(
     pdl: programmatic dependent launch (kernels/launch.py).
     trace (CUDA only): per-program timestamps, slots 0 start; row programs 1 partials summed,
     2 h / f_in / router input stored, 3 end; router programs 1 logits computed, 2 arrived on
-    the counter, 3 (the last) routed."""
+    the counter, 3 (the last) routed; the last also 4 softmax, 5 top-k, 6 ids / weights
+    stored (kernels/router.py _route_finish)."""
     p = partials_arg(partials)
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,), device=p.device)
@@ -312,8 +317,9 @@ def attn_tail(
                      dtypes=(torch.float32,), device=dev)
         check_tensor("scratch.logits", scratch.logits, shape=(cfg.route_rows, experts),
                      dtypes=(torch.float32,), device=dev)
-        check_tensor("scratch.counter", scratch.counter, shape=(1,), dtypes=(torch.int32,),
-                     device=dev)
+        for name in ("counter", "ready"):
+            check_tensor(f"scratch.{name}", getattr(scratch, name), shape=(1,),
+                         dtypes=(torch.int32,), device=dev)
         if not (scratch.r_in.is_contiguous() and scratch.logits.is_contiguous()):
             raise ValueError("scratch: r_in and logits must be contiguous")
     elif top_k or scratch is not None:
@@ -342,7 +348,7 @@ def attn_tail(
     out.fq, out.sf = _quant_outputs(out.fq, out.sf, quantize, rows, hidden, dev, "f")
     q, s = (out.fq, out.sf) if quantize else (dummy, dummy)
     ids, wts = (out.ids, out.weights) if router else (dummy, dummy)
-    sc = scratch if router else RouterScratch(dummy, dummy, fail_flag)
+    sc = scratch if router else RouterScratch(dummy, dummy, fail_flag, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, dummy)
     if trace is not None:
@@ -363,6 +369,7 @@ def attn_tail(
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
         PACKED_TOPK=cfg.packed_topk, PREFETCH_W=cfg.prefetch_w,
         trace_ptr=dummy if trace is None else trace, TRACE=trace is not None,
+        ready_ptr=sc.ready, COUNT_READY=router and cfg.count_ready,
         num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )

@@ -17,6 +17,7 @@ class TailLaunch:
     unroll_k: bool = False  # router: poll all of its input at once (see _router_program)
     packed_topk: bool = False  # router finish: one int64 max per top-k step (_route_finish)
     prefetch_w: bool = False  # router: all weight chunks loaded before the first wait
+    count_ready: bool = False  # router: wait on a row counter, not on r_in's NaN (router.py)
 
 
 def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:

@@ -22,7 +22,7 @@ def launch(row_stamps, router_stamps, base: int) -> torch.Tensor:
 def test_milestones_measure_from_the_first_program_start():
     # 3 row programs (2 live, the third padding), 2 router programs; offsets in ns
     rows = [(1000, 3000, 4000, 5000), (1500, 3500, 4200, 6000), (1000, 9000, 9500, 9900)]
-    router = [(2000, 7000, 7100, None), (1200, 8000, 8100, 11000)]
+    router = [(2000, 7000, 7100, None), (1200, 8000, 8100, 11000, 8600, 9800, 10500)]
     tr = torch.stack([launch(rows, router, 10**12), launch(rows, router, 2 * 10**12)])
     ms = milestones(tr, live=2, rows=3)
     assert ms["rows summed"].tolist() == [2.5, 2.5]  # (3500 − 1000) ns, live rows only
@@ -31,6 +31,9 @@ def test_milestones_measure_from_the_first_program_start():
     assert ms["router start"].tolist() == [1.0, 1.0]
     assert ms["logits first"].tolist() == [6.0, 6.0]
     assert ms["logits last"].tolist() == [7.0, 7.0]
+    assert ms["softmax"].tolist() == [7.6, 7.6]  # the routing program's slots 4–6
+    assert ms["top-k"].tolist() == [8.8, 8.8]
+    assert ms["published"].tolist() == [9.5, 9.5]
     assert ms["routed"].tolist() == [10.0, 10.0]
     assert ms["end"].tolist() == [10.0, 10.0]  # the SM ids in slot 7 are not times
     med, p10, p90 = summarize(ms)["routed"]

@@ -400,6 +400,9 @@ def test_traced_launch_orders_its_stamps_gpu(device):
     last = (route[:, 3] > 0).nonzero().flatten()
     assert last.numel() == 1
     assert route[last, 2] >= route[:, 1].max() and route[last, 3] >= route[last, 2]
+    finish = route[last, [2, 4, 5, 6, 3]].flatten()  # arrived, softmax, top-k, stored, routed
+    assert (finish[:-1] <= finish[1:]).all(), finish
+    assert (route[:, 4:7].sum(dim=0) == route[last, 4:7].flatten()).all(), "only the last finishes"
     assert ((t[:, 7] >= 0) & (t[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count)
             ).all()
     mo_trace = new_trace(case.rows, device)
@@ -413,10 +416,68 @@ def test_traced_launch_orders_its_stamps_gpu(device):
     assert (m[:, :4] > 0).all() and (m[:, :3] <= m[:, 1:4]).all()
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[5], REAL], ids=lambda c: c.name)
+@pytest.mark.parametrize("prefetch", [False, True], ids=["loaded", "prefetched"])
+def test_ready_counter_router_is_bit_identical(case, prefetch, device):
+    """TailLaunch.count_ready: router programs wait on the row programs' counter instead of
+    polling r_in for NaN, then sum the chunked path's products in its order — logits, ids,
+    weights, h and f_in are the NaN launch's bits; both counters end at 0 and r_in is left as
+    written (not re-armed), and a second launch on the same scratch gives the same bits."""
+    if device.type == "cpu" and case is REAL:
+        pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
+    d_cpu = make_inputs(case, 130 + (CASES.index(case) if case in CASES else 9))
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    if case is not REAL:
+        base = replace(base, block_k=pow2(-(-case.hidden // 4)))
+    n = case.n_live
+    ref, ref_scratch, _, _, _ = run_attn(case, d, device, base)
+    cfg = replace(base, count_ready=True, prefetch_w=prefetch)
+    out, scratch, flag, polls, _ = run_attn(case, d, device, cfg)
+    assert flag.item() == 0 and (polls.cpu() == 1).all()
+    assert scratch.counter.item() == 0 and scratch.ready.item() == 0
+    assert torch.isfinite(scratch.r_in.cpu()[:n]).all(), "r_in: the live rows' router input"
+    bits = lambda t: t.cpu()[:n].contiguous().view(torch.uint8)  # noqa: E731
+    for a, b in ((scratch.logits, ref_scratch.logits), (out.ids, ref.ids),
+                 (out.weights, ref.weights), (out.h, ref.h), (out.f_in, ref.f_in),
+                 (out.fq, ref.fq), (out.sf, ref.sf)):
+        assert torch.equal(bits(a), bits(b))
+    again = attn_tail(d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"],
+                      flag, eps=EPS, attn_out_scale=case.scale, max_polls=4,
+                      router_w=d["router_w"], top_k=case.top_k, scratch=scratch, config=cfg)
+    assert flag.item() == 0 and scratch.ready.item() == 0 and scratch.counter.item() == 0
+    assert torch.equal(bits(again.ids), bits(ref.ids))
+    assert torch.equal(bits(again.weights), bits(ref.weights))
+
+
+def test_ready_counter_wait_is_bounded(device):
+    """A ready counter that cannot reach the row count (corrupted to −100 before the launch):
+    every router program gives up after router_max_polls reads — the failure flag is raised,
+    every live row gets ids −1 and NaN weights, h / f_in are still the row programs' bits, and
+    the finish puts both counters back to 0 (no hang, no half-published routing)."""
+    case = CASES[1]
+    d = on(make_inputs(case, 140), device)
+    cfg = replace(tail_launch(case.hidden, case.experts), count_ready=True)
+    ref, _, _, _, _ = run_attn(case, d, device, cfg)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    scratch = RouterScratch.create(case.hidden, case.experts, device)
+    scratch.ready.fill_(-100)
+    out = attn_tail(d["partials"], d["xn"], d["attn_out_norm"], d["ffn_norm"], d["n_live"],
+                    flag, eps=EPS, attn_out_scale=case.scale, max_polls=4,
+                    router_w=d["router_w"], top_k=case.top_k, scratch=scratch,
+                    out=poisoned_attn_out(case, device), config=cfg, router_max_polls=3)
+    n = case.n_live
+    assert flag.item() == 1
+    assert (out.ids.cpu()[:n] == -1).all() and torch.isnan(out.weights.cpu()[:n]).all()
+    assert torch.equal(out.h.cpu()[:n].view(torch.int16), ref.h.cpu()[:n].view(torch.int16))
+    assert scratch.ready.item() == 0 and scratch.counter.item() == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("change", [dict(unroll_k=True), dict(block_k=512),
                                     dict(block_k=512, block_e=2), dict(block_k=1024, block_e=2),
-                                    dict(unroll_k=True, block_k=256)],
+                                    dict(unroll_k=True, block_k=256), dict(count_ready=True),
+                                    dict(count_ready=True, block_e=4)],
                          ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_router_launch_variants_at_the_real_shape_gpu(change, device):
     """The router launch configurations bench_tails --sweep times, checked first: 6 of 8 rows,
@@ -429,7 +490,8 @@ def test_router_launch_variants_at_the_real_shape_gpu(change, device):
     ref, _, _, _, _ = run_attn(case, d, device, base)
     out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, **change))
     assert flag.item() == 0
-    assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
+    assert scratch.counter.item() == 0 and scratch.ready.item() == 0
+    assert change.get("count_ready") or torch.isnan(scratch.r_in.cpu()).all()
     for a, b in ((out.h, ref.h), (out.f_in, ref.f_in)):
         assert torch.equal(a.cpu()[:6].view(torch.int16), b.cpu()[:6].view(torch.int16))
     check_routing(case, out, scratch.logits.cpu()[:6], twin_logits(case, d_cpu),
@@ -759,25 +821,26 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": warps, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
-        keys = ("ld.volatile.global", "atom.global.gpu.acq_rel", "bar.sync", "fma.rn.f32",
+        keys = ("ld.volatile.global", "atom.global.gpu.acq_rel", "atom.global.gpu.release",
+                "ld.global.gpu.acquire", "bar.sync", "fma.rn.f32",
                 "sqrt.rn.f32", "div.rn.f32", "ex2.approx", "%globaltimer", "ld.global")
         return {key: ptx.count(key) for key in keys}
 
     bf, i32 = "*bf16", "*i32"
     common = {"xn_ptr": bf, "w_aon_ptr": bf, "w_ffn_ptr": bf, "h_ptr": bf, "f_ptr": bf,
               "polls_ptr": i32, "flag_ptr": i32, "n_live_ptr": i32, "cnt_ptr": i32,
-              "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf, "trace_ptr": "*i64"}
+              "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf, "trace_ptr": "*i64", "ready_ptr": i32}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router, unroll, packed, prefetch, trace in (
-            (True, False, False, False, False), (True, True, False, False, False),
-            (True, False, True, False, False), (False, False, False, False, False),
-            (True, False, False, True, False), (True, True, False, True, False),
-            (True, False, False, False, True)):
+    for router, unroll, packed, prefetch, trace, count in (
+            (True, False, False, False, False, False), (True, True, False, False, False, False),
+            (True, False, True, False, False, False), (False, False, False, False, False, False),
+            (True, False, False, True, False, False), (True, True, False, True, False, False),
+            (True, False, False, False, True, False), (True, False, False, False, False, True)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
               + ("_packed" if packed else "") + ("_prefetch" if prefetch else "")
-              + ("_trace" if trace else "")] = build(
+              + ("_trace" if trace else "") + ("_count" if count else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
                                            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
@@ -786,7 +849,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
                 "REARM_PARTS": 1, "PACKED_TOPK": packed, "PREFETCH_W": prefetch,
-                "TRACE": trace, "PDL": False},
+                "TRACE": trace, "COUNT_READY": count, "PDL": False},
             cfg.num_warps)
     for quant, trace in ((False, False), (True, False), (True, True)):
         table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
@@ -836,6 +899,13 @@ def test_compiled_kernels_build_for_sm90():
     pre_u, base_u = stats["attn_routerTrue_unrolled_prefetch"], stats["attn_routerTrue_unrolled"]
     assert pre_u["ld.volatile.global"] == base_u["ld.volatile.global"]
     assert pre_u["atom.global.gpu.acq_rel"] == 1
+    # the ready counter: one release increment (row programs), one acquire read after the
+    # spin (router programs), the same single arrival; without it neither
+    cnt = stats["attn_routerTrue_count"]
+    assert (cnt["atom.global.gpu.release"], cnt["ld.global.gpu.acquire"],
+            cnt["atom.global.gpu.acq_rel"]) == (1, 1, 1), cnt
+    assert all(s["atom.global.gpu.release"] == s["ld.global.gpu.acquire"] == 0
+               for name, s in stats.items() if not name.endswith("_count"))
 
 
 if __name__ == "__main__":
