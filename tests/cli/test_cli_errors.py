@@ -177,10 +177,18 @@ def test_an_internal_error_is_one_line_exit_70_and_shows_its_traceback_on_reques
         main(["generate", "--checkpoint", str(tiny), *GEN])
 
 
+def _sigint_default() -> None:
+    """In the child before exec: Ctrl-C as a terminal's foreground process gets it. A runner
+    started in the background of a non-interactive shell (`cmd &`) ignores SIGINT, children
+    inherit that, and Python then installs no KeyboardInterrupt handler at all."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cli(*args, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-m", "iquestrt.cli", *args], cwd=kw.get("cwd"),
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_sigint_default)
 
 
 @pytest.mark.slow
