@@ -89,7 +89,7 @@ def build(spec: Spec, device) -> Problem:
 
 
 def kernel_call(p: Problem, copy: int = 0, config=None, out=None, trace=None):
-    """trace: [programs, 8] int64 per-program timestamps (kernels/timeline.py)."""
+    """trace: [programs, SLOTS] int64 per-program timestamps (kernels/timeline.py)."""
     from kernels.tails import attn_tail, moe_tail
 
     s = p.spec

@@ -14,6 +14,8 @@ replays, the median and the 10th / 90th percentile of each milestone:
   rows summed / stored / end  the last live row program's partial sum read, outputs and router
                               input stored, quantization done
   router start                the last router program to start
+  input first / last          the first and the last router program whose wait for the rows'
+                              router input is over (NaN readiness: its last chunk's wait)
   logits first / last         the first and the last router program with its logits computed
   softmax / top-k / published the routing program's finish (kernels/router.py _route_finish):
                               softmax done, top-k chosen, ids and weights stored
@@ -35,33 +37,38 @@ import torch
 
 from benchmarks.bench_tails import Spec, build, check_against_twin, kernel_call
 from benchmarks.timing import capture_graph, time_graph
+from kernels.timeline import SLOTS, SM_SLOT
 
-MILESTONES = ("rows summed", "rows stored", "rows end", "router start", "logits first",
-              "logits last", "softmax", "top-k", "published", "routed", "end")
+MILESTONES = ("rows summed", "rows stored", "rows end", "router start", "input first",
+              "input last", "logits first", "logits last", "softmax", "top-k", "published",
+              "routed", "end")
+INPUT_SLOT = 8  # a router program's "input seen" (kernels/router.py)
 FINISH = {"softmax": 4, "top-k": 5, "published": 6}  # the routing program's slots
 
 
 def milestones(trace: torch.Tensor, live: int, rows: int) -> dict[str, torch.Tensor]:
-    """trace [L, P, 8] int64 (L launches; programs 0..rows−1 are row programs, the rest router
+    """trace [L, P, SLOTS] int64 (L launches; programs 0..rows−1 are row programs, the rest router
     programs) → {milestone: [L] µs since each launch's first program start}; router
     milestones only when the launch had router programs."""
     t = trace.double()
     t0 = t[:, :, 0].min(dim=1).values[:, None]  # [L, 1]
-    us = (t - t0[:, :, None]) / 1e3  # [L, P, 8]
-    stamped = trace[:, :, :7] > 0
+    us = (t - t0[:, :, None]) / 1e3  # [L, P, SLOTS]
+    stamped = trace[:, :, :SM_SLOT] > 0
     out = {"rows summed": us[:, :live, 1].max(dim=1).values,
            "rows stored": us[:, :live, 2].max(dim=1).values,
            "rows end": us[:, :live, 3].max(dim=1).values}
     if trace.shape[1] > rows:
         r = us[:, rows:]
         out["router start"] = r[:, :, 0].max(dim=1).values
+        out["input first"] = r[:, :, INPUT_SLOT].min(dim=1).values
+        out["input last"] = r[:, :, INPUT_SLOT].max(dim=1).values
         out["logits first"] = r[:, :, 1].min(dim=1).values
         out["logits last"] = r[:, :, 1].max(dim=1).values
         last = trace[:, rows:, 3] > 0  # [L, P − rows]: the routing program
         for name, slot in FINISH.items():
             out[name] = torch.where(last, r[:, :, slot], float("-inf")).max(dim=1).values
         out["routed"] = torch.where(last, r[:, :, 3], float("-inf")).max(dim=1).values
-    out["end"] = torch.where(stamped, us[:, :, :7], float("-inf")).amax(dim=(1, 2))
+    out["end"] = torch.where(stamped, us[:, :, :SM_SLOT], float("-inf")).amax(dim=(1, 2))
     return out
 
 
@@ -80,7 +87,7 @@ def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
     cfg = config or tail_launch(spec.hidden, spec.experts if spec.router else 0)
     check = check_against_twin(p, cfg)
     programs = spec.buffer_rows + (-(-spec.experts // cfg.block_e) if spec.router else 0)
-    traces = new_trace(reps * programs, dev).view(reps, programs, 8)
+    traces = new_trace(reps * programs, dev).view(reps, programs, SLOTS)
     copies = max(1, len(p.router_w))
     plain = [kernel_call(p, j, cfg) for j in range(copies)]
     graph_us = time_graph(plain, reps, trials, warmup)

@@ -153,8 +153,10 @@ def _router_program(
     COUNT_READY: wait until the ready counter counts all n_rows row programs (one int polled
     instead of all of r_in), then read r_in chunk by chunk — the chunked poll's products and
     order, so its logits equal the chunked NaN path's bit for bit (UNROLL_K has no effect).
-    TRACE (kernels/timeline.py, pid = the launch's program id): slot 1 once the logits are
-    computed, then _publish's slots."""
+    TRACE (kernels/timeline.py, pid = the launch's program id): slot 8 once the wait for the
+    router input is over (NaN readiness: after the last chunk's wait or the unrolled poll;
+    COUNT_READY: after the counter read), slot 1 once the logits are computed, then
+    _publish's slots."""
     rows = tl.arange(0, ROUTE_ROWS)
     rl = rows < n
     e = j * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -168,6 +170,7 @@ def _router_program(
                                mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
     if COUNT_READY:
         ok = wait_count(ready_ptr, n_rows, max_polls)
+        stamp(trace_ptr, pid, 8, TRACE)
         for c in tl.static_range(0, HIDDEN, BLOCK_K):
             kk = c + tl.arange(0, BLOCK_K)
             km = kk < HIDDEN
@@ -204,6 +207,7 @@ def _router_program(
                 acc3 += r[:, None, :] * w[None, :, :]
             ok = (tl.max(bad, axis=None) == 0).to(tl.int32)
             polls += 1
+        stamp(trace_ptr, pid, 8, TRACE)
         acc = tl.sum(acc3, axis=2)
     elif PREFETCH_W:
         ok = tl.full([], 1, tl.int32)
@@ -212,6 +216,7 @@ def _router_program(
             r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
                                 rl[:, None] & (kk < HIDDEN)[None, :], max_polls)  # [RR, BK]
             ok = ok & got
+            stamp(trace_ptr, pid, 8, TRACE)  # the last chunk's stamp stays
             acc += tl.sum(r[:, None, :] * ws[c // BLOCK_K][None, :, :], axis=2)
     else:
         ok = tl.full([], 1, tl.int32)
@@ -221,6 +226,7 @@ def _router_program(
             r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
                                 rl[:, None] & km[None, :], max_polls)  # [RR, BK]
             ok = ok & got
+            stamp(trace_ptr, pid, 8, TRACE)  # the last chunk's stamp stays
             w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
                         mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
             acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)

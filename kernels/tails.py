@@ -273,7 +273,7 @@ def attn_tail(
     router_max_polls: int = 1 << 20,
     quantize: bool = False,
     pdl: bool = False,
-    trace: torch.Tensor | None = None,  # [R + router programs, 8] int64 (kernels/timeline.py)
+    trace: torch.Tensor | None = None,  # [R + router programs, SLOTS] int64 (kernels/timeline)
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
     reference.twins.tails.attn_tail_ref, padding rows untouched.
@@ -289,8 +289,8 @@ def attn_tail(
     pdl: programmatic dependent launch (kernels/launch.py).
     trace (CUDA only): per-program timestamps, slots 0 start; row programs 1 partials summed,
     2 h / f_in / router input stored, 3 end; router programs 1 logits computed, 2 arrived on
-    the counter, 3 (the last) routed; the last also 4 softmax, 5 top-k, 6 ids / weights
-    stored (kernels/router.py _route_finish)."""
+    the counter, 3 (the last) routed, 8 its input seen (the wait over); the last also 4
+    softmax, 5 top-k, 6 ids / weights stored (kernels/router.py _route_finish)."""
     p = partials_arg(partials)
     if router_w is not None:
         check_tensor("router_w", router_w, dims=2, dtypes=(torch.float32,), device=p.device)
@@ -393,7 +393,7 @@ def moe_tail(
     config: TailLaunch | None = None,
     quantize: bool = False,
     pdl: bool = False,
-    trace: torch.Tensor | None = None,  # [R, 8] int64 (kernels/timeline.py)
+    trace: torch.Tensor | None = None,  # [R, SLOTS] int64 (kernels/timeline.py)
 ) -> MoeTailOut:
     """MoE tail of a layer ≥ 1; outputs as reference.twins.tails.moe_tail_ref, padding rows
     untouched. quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next

@@ -20,23 +20,23 @@ import torch
 import triton
 import triton.language as tl
 
-SLOTS = 8
+SLOTS = 12
 SM_SLOT = SLOTS - 1  # the SM the program ran on (not a time)
 
 
 @triton.jit
 def stamp(trace_ptr, pid, slot: tl.constexpr, ON: tl.constexpr):
     """trace[pid, slot] = the global timer now (ns), when ON."""
-    if ON:  # 8 = SLOTS (a jit function reads no Python globals)
-        tl.store(trace_ptr + pid * 8 + slot, tl.extra.cuda.globaltimer())
+    if ON:  # 12 = SLOTS (a jit function reads no Python globals)
+        tl.store(trace_ptr + pid * 12 + slot, tl.extra.cuda.globaltimer())
 
 
 @triton.jit
 def stamp_start(trace_ptr, pid, ON: tl.constexpr):
-    """Slot 0 = the program's first statement's time, slot 7 = its SM id, when ON."""
+    """Slot 0 = the program's first statement's time, slot 11 (SM_SLOT) = its SM id, when ON."""
     if ON:
-        tl.store(trace_ptr + pid * 8, tl.extra.cuda.globaltimer())
-        tl.store(trace_ptr + pid * 8 + 7, tl.extra.cuda.smid().to(tl.int64))
+        tl.store(trace_ptr + pid * 12, tl.extra.cuda.globaltimer())
+        tl.store(trace_ptr + pid * 12 + 11, tl.extra.cuda.smid().to(tl.int64))
 
 
 def new_trace(programs: int, device) -> torch.Tensor:

@@ -7,35 +7,39 @@ import pytest
 import torch
 
 from benchmarks.exp_tail_timeline import main, milestones, summarize, table
+from kernels.timeline import SLOTS, SM_SLOT
 
 
 def launch(row_stamps, router_stamps, base: int) -> torch.Tensor:
-    """[P, 8] int64 of one launch: ns offsets per program (0 = never stamped), + base."""
-    t = torch.zeros(len(row_stamps) + len(router_stamps), 8, dtype=torch.int64)
+    """[P, SLOTS] int64 of one launch: ns offsets per program (0 = never stamped), + base."""
+    t = torch.zeros(len(row_stamps) + len(router_stamps), SLOTS, dtype=torch.int64)
     for i, st in enumerate(list(row_stamps) + list(router_stamps)):
         for k, v in enumerate(st):
             t[i, k] = base + v if v is not None else 0
-        t[i, 7] = i % 3  # an SM id, not a time
+        t[i, SM_SLOT] = i % 3  # an SM id, not a time
     return t
 
 
 def test_milestones_measure_from_the_first_program_start():
     # 3 row programs (2 live, the third padding), 2 router programs; offsets in ns
     rows = [(1000, 3000, 4000, 5000), (1500, 3500, 4200, 6000), (1000, 9000, 9500, 9900)]
-    router = [(2000, 7000, 7100, None), (1200, 8000, 8100, 11000, 8600, 9800, 10500)]
+    router = [(2000, 7000, 7100, None, None, None, None, None, 6200),
+              (1200, 8000, 8100, 11000, 8600, 9800, 10500, None, 6500)]
     tr = torch.stack([launch(rows, router, 10**12), launch(rows, router, 2 * 10**12)])
     ms = milestones(tr, live=2, rows=3)
     assert ms["rows summed"].tolist() == [2.5, 2.5]  # (3500 − 1000) ns, live rows only
     assert ms["rows stored"].tolist() == [3.2, 3.2]
     assert ms["rows end"].tolist() == [5.0, 5.0]
     assert ms["router start"].tolist() == [1.0, 1.0]
+    assert ms["input first"].tolist() == [5.2, 5.2]  # slot 8
+    assert ms["input last"].tolist() == [5.5, 5.5]
     assert ms["logits first"].tolist() == [6.0, 6.0]
     assert ms["logits last"].tolist() == [7.0, 7.0]
     assert ms["softmax"].tolist() == [7.6, 7.6]  # the routing program's slots 4–6
     assert ms["top-k"].tolist() == [8.8, 8.8]
     assert ms["published"].tolist() == [9.5, 9.5]
     assert ms["routed"].tolist() == [10.0, 10.0]
-    assert ms["end"].tolist() == [10.0, 10.0]  # the SM ids in slot 7 are not times
+    assert ms["end"].tolist() == [10.0, 10.0]  # the SM ids in SM_SLOT are not times
     med, p10, p90 = summarize(ms)["routed"]
     assert med == p10 == p90 == 10.0
 

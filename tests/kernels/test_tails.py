@@ -29,7 +29,7 @@ from iquestrt.capture import graph_capture
 from kernels.fp8 import E4M3
 from kernels.tails import RouterScratch, TailLaunch, attn_tail, moe_tail, tail_launch
 from kernels.tails_launch import pow2
-from kernels.timeline import new_trace
+from kernels.timeline import SLOTS, SM_SLOT, new_trace
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.config import preset
@@ -353,14 +353,14 @@ def test_prefetch_and_trace_errors(device):
         run_attn(case, d, device, replace(base, prefetch_w=True, block_k=16))
     flag = torch.zeros(1, dtype=torch.int32, device=device)
     if device.type == "cpu":
-        trace = torch.zeros(case.rows, 8, dtype=torch.int64)
+        trace = torch.zeros(case.rows, SLOTS, dtype=torch.int64)
         with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
             moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
                      ffn_out_scale=1.0, max_polls=4, trace=trace)
         with pytest.raises(ValueError, match="trace: kernel timestamps need a CUDA device"):
             new_trace(case.rows, device)
     else:
-        with pytest.raises(ValueError, match=r"trace: expected a contiguous int64 \[8, 8\]"):
+        with pytest.raises(ValueError, match=r"trace: expected a contiguous int64 \[8, 12\]"):
             moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
                      ffn_out_scale=1.0, max_polls=4, trace=new_trace(case.rows + 1, device))
 
@@ -397,14 +397,17 @@ def test_traced_launch_orders_its_stamps_gpu(device):
     assert (rows[:, :4] > 0).all() and (route[:, :3] > 0).all()
     assert (rows[:, :3] <= rows[:, 1:4]).all() and (route[:, :2] <= route[:, 1:3]).all()
     assert (route[:, 1] >= rows[:6, 1].max()).all()
+    # the input seen (slot 8) after every live row summed, before the program's logits
+    assert (route[:, 8] >= rows[:6, 1].max()).all() and (route[:, 8] <= route[:, 1]).all()
+    assert (rows[:, 8] == 0).all()
     last = (route[:, 3] > 0).nonzero().flatten()
     assert last.numel() == 1
     assert route[last, 2] >= route[:, 1].max() and route[last, 3] >= route[last, 2]
     finish = route[last, [2, 4, 5, 6, 3]].flatten()  # arrived, softmax, top-k, stored, routed
     assert (finish[:-1] <= finish[1:]).all(), finish
     assert (route[:, 4:7].sum(dim=0) == route[last, 4:7].flatten()).all(), "only the last finishes"
-    assert ((t[:, 7] >= 0) & (t[:, 7] < torch.cuda.get_device_properties(0).multi_processor_count)
-            ).all()
+    sm = t[:, SM_SLOT]
+    assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
     mo_trace = new_trace(case.rows, device)
     mo = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
                   ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True, trace=mo_trace)
