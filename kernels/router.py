@@ -35,21 +35,58 @@ from kernels.timeline import stamp
 
 
 @triton.jit
+def _rank_topk(p, RR: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+               GROUP: tl.constexpr):
+    """p [RR, EALL] → (top_p, top_i) [RR, BLOCK_TOPK]: slot k holds the element of rank k
+    under (p descending, index ascending) — the k-th choice of the step-by-step top-k — by
+    counting, in two levels with no sequential steps:
+      1. ranks within groups of GROUP experts; a group's BLOCK_TOPK best are its candidates.
+         Every member of the overall top-BLOCK_TOPK is a candidate (fewer than BLOCK_TOPK
+         elements beat it at all, so fewer beat it in its group).
+      2. ranks among the NG · BLOCK_TOPK candidates. For an overall top element the elements
+         that beat it are all candidates, so this is its overall rank; any other element is
+         beaten by the whole top-BLOCK_TOPK, so its rank here is ≥ BLOCK_TOPK.
+    Each pick is a one-hot sum (one term, the others +0: exact; p holds no −0).
+    Needs GROUP ≥ BLOCK_TOPK (every slot of a group filled) and GROUP | BLOCK_EALL."""
+    NG: tl.constexpr = BLOCK_EALL // GROUP
+    NC: tl.constexpr = NG * BLOCK_TOPK
+    p3 = tl.reshape(p, [RR, NG, GROUP])  # p3[r, g, m] = p[r, g·GROUP + m]
+    m = tl.arange(0, GROUP)
+    gidx = tl.arange(0, NG)[:, None] * GROUP + m[None, :]  # [NG, G] expert index
+    pj, pi = p3[:, :, None, :], p3[:, :, :, None]  # j [RR, NG, 1, G], i [RR, NG, G, 1]
+    lower = m[None, None, None, :] < m[None, None, :, None]
+    local = tl.sum(((pj > pi) | ((pj == pi) & lower)).to(tl.int32), axis=3)  # [RR, NG, G]
+    kc = tl.arange(0, BLOCK_TOPK)
+    hit = local[:, :, None, :] == kc[None, None, :, None]  # [RR, NG, K, G]
+    cv = tl.reshape(tl.sum(tl.where(hit, p3[:, :, None, :], 0.0), axis=3), [RR, NC])
+    ci = tl.reshape(tl.sum(tl.where(hit, gidx[None, :, None, :], 0), axis=3), [RR, NC])
+    vj, vi = cv[:, None, :], cv[:, :, None]  # j [RR, 1, NC], i [RR, NC, 1]
+    beats = (vj > vi) | ((vj == vi) & (ci[:, None, :] < ci[:, :, None]))
+    rank = tl.sum(beats.to(tl.int32), axis=2)  # [RR, NC]
+    hit2 = rank[:, None, :] == kc[None, :, None]  # [RR, K, NC]
+    top_p = tl.sum(tl.where(hit2, cv[:, None, :], 0.0), axis=2)
+    top_i = tl.sum(tl.where(hit2, ci[:, None, :], 0), axis=2)
+    return top_p, top_i
+
+
+@triton.jit
 def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                   stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                   HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
                   TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False,
+                  REARM_RIN: tl.constexpr, TOPK: tl.constexpr = 0,
                   trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
     """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
     TRACE (kernels/timeline.py): slot 4 after the softmax, 5 after the top-k, 6 once ids and
     weights are stored (before the re-arm).
     REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
     (`_route_kernel`) reads a tensor it does not own and leaves it alone.
-    PACKED: each top-k step is one int64 max over keys (p's bits << 32 | EALL − 1 − index)
-    instead of a max over p and a min over the indices that reach it — the same choice (p ≥ 0,
-    so its bits order as it does; equal p → the larger low word, the lower index) in one
-    reduction per step."""
+    TOPK (kernels/tails_launch.py topk_mode): 0 — TOP_K steps, each a max over p and a min over
+    the indices that reach it; 1 (packed) — each step one int64 max over keys (p's bits << 32 |
+    EALL − 1 − index): the same choice (p ≥ 0, so its bits order as it does; equal p → the
+    larger low word, the lower index) in one reduction per step; 2 (ranks) — no steps: every
+    position by rank counting (_rank_topk). All three pick the same experts in the same order
+    with the same values."""
     ea = tl.arange(0, BLOCK_EALL)
     eam = ea < EXPERTS
     lm = rl[:, None] & eam[None, :]
@@ -66,7 +103,12 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     kc = tl.arange(0, BLOCK_TOPK)
     top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
-    if PACKED:
+    if TOPK == 2:
+        top_p, top_i = _rank_topk(p, rows.shape[0], BLOCK_EALL, BLOCK_TOPK,
+                                  min(32, BLOCK_EALL))
+        top_p = tl.where(kc[None, :] < TOP_K, top_p, 0.0)  # the loop leaves slots ≥ K at 0
+        top_i = tl.where(kc[None, :] < TOP_K, top_i, 0)
+    elif TOPK == 1:
         low = (BLOCK_EALL - 1 - ea).to(tl.int64)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
         key = tl.where(eam[None, :], key, -1)
@@ -109,7 +151,7 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
              stride_ir, stride_ik, stride_wr, stride_wk, n_router,
              HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
              TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-             REARM_RIN: tl.constexpr, PACKED: tl.constexpr = False,
+             REARM_RIN: tl.constexpr, TOPK: tl.constexpr = 0,
              trace_ptr=None, pid=0, TRACE: tl.constexpr = False,
              ready_ptr=None, COUNT_READY: tl.constexpr = False):
     """Store this program's logits [RR, BE], arrive on the counter; the last arrival routes
@@ -126,7 +168,7 @@ def _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr
         _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
                       stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
                       HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, BLOCK_K, REARM_RIN,
-                      PACKED, trace_ptr, pid, TRACE)
+                      TOPK, trace_ptr, pid, TRACE)
         if COUNT_READY:
             tl.store(ready_ptr, 0)
         stamp(trace_ptr, pid, 3, TRACE)
@@ -138,7 +180,7 @@ def _router_program(
     stride_ir, stride_ik, stride_wr, stride_wk, j, n_router, n, max_polls, ready_ptr, n_rows,
     HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_TOPK: tl.constexpr, ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr, PACKED: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, UNROLL_K: tl.constexpr, TOPK: tl.constexpr = 0,
     PREFETCH_W: tl.constexpr = False, trace_ptr=None, pid=0, TRACE: tl.constexpr = False,
     COUNT_READY: tl.constexpr = False,
 ):
@@ -235,7 +277,7 @@ def _router_program(
     stamp(trace_ptr, pid, 1, TRACE)
     _publish(acc, e, em, rows, rl, logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
              stride_ir, stride_ik, stride_wr, stride_wk, n_router, HIDDEN, EXPERTS, BLOCK_EALL,
-             TOP_K, BLOCK_TOPK, BLOCK_K, not COUNT_READY, PACKED, trace_ptr, pid, TRACE,
+             TOP_K, BLOCK_TOPK, BLOCK_K, not COUNT_READY, TOPK, trace_ptr, pid, TRACE,
              ready_ptr, COUNT_READY)
 
 

@@ -43,7 +43,7 @@ from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.router import RouterScratch, _router_program
-from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch
+from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch, topk_mode
 from kernels.timeline import check_trace, stamp, stamp_start
 from kernels.twin import twin
 from reference.op_types import AttnTailOut, MoeTailOut
@@ -130,7 +130,7 @@ def _attn_tail_kernel(
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
-    PACKED_TOPK: tl.constexpr, PREFETCH_W: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+    TOPK: tl.constexpr, PREFETCH_W: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ready_ptr, COUNT_READY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
@@ -149,7 +149,7 @@ def _attn_tail_kernel(
                         stride_ir, stride_ik, stride_wr, stride_wk,
                         pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls, ready_ptr, ROWS,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
-                        BLOCK_K, UNROLL_K, PACKED_TOPK, PREFETCH_W, trace_ptr, pid, TRACE,
+                        BLOCK_K, UNROLL_K, TOPK, PREFETCH_W, trace_ptr, pid, TRACE,
                         COUNT_READY)
 
 
@@ -367,7 +367,7 @@ def attn_tail(
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
-        PACKED_TOPK=cfg.packed_topk, PREFETCH_W=cfg.prefetch_w,
+        TOPK=topk_mode(cfg), PREFETCH_W=cfg.prefetch_w,
         trace_ptr=dummy if trace is None else trace, TRACE=trace is not None,
         ready_ptr=sc.ready, COUNT_READY=router and cfg.count_ready,
         num_warps=cfg.num_warps,

@@ -18,6 +18,12 @@ class TailLaunch:
     packed_topk: bool = False  # router finish: one int64 max per top-k step (_route_finish)
     prefetch_w: bool = False  # router: all weight chunks loaded before the first wait
     count_ready: bool = False  # router: wait on a row counter, not on r_in's NaN (router.py)
+    rank_topk: bool = False  # router finish: top-k by rank counting, no steps (_rank_topk)
+
+    def __post_init__(self) -> None:
+        if self.packed_topk and self.rank_topk:
+            raise ValueError("TailLaunch: packed_topk and rank_topk are two ways of one top-k; "
+                             "choose one")
 
 
 def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
@@ -28,6 +34,12 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
     if experts >= 64:
         return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)))
     return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)))
+
+
+def topk_mode(cfg: TailLaunch) -> int:
+    """The router finish's TOPK constexpr (kernels/router.py _route_finish): 0 steps, 1 packed
+    steps, 2 ranks."""
+    return 2 if cfg.rank_topk else int(cfg.packed_topk)
 
 
 def pow2(x: int) -> int:

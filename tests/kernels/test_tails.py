@@ -286,23 +286,28 @@ def test_unrolled_router_poll(case, device):
                   twin_attn(case, d_cpu))
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.experts][:3] + [REAL],
+@pytest.mark.parametrize("flag", ["packed_topk", "rank_topk"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.experts][:3] + [CASES[5], CASES[6], REAL],
                          ids=lambda c: c.name)
-def test_packed_topk_finish_is_bit_identical(case, device):
-    """TailLaunch.packed_topk (one int64 max per top-k step) picks the same experts in the
-    same order with the same weights as the two-reduction finish — ties included: experts
-    1 and 2 share their router row (equal logits), so the lower index must come first."""
+def test_other_topk_finishes_are_bit_identical(case, flag, device):
+    """TailLaunch.packed_topk (one int64 max per top-k step) and rank_topk (ranks counted in
+    groups of 32, then among the groups' candidates) pick the same experts in the same order
+    with the same weights as the two-reduction finish — ties included: experts 1 and 2 share
+    their router row (equal logits), so the lower index must come first; with 64 or more
+    experts expert 33 (another group of 32) ties with them too and comes third."""
     if device.type == "cpu" and case is REAL:
         pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
     d_cpu = make_inputs(case, 90 + CASES.index(case) if case in CASES else 99)
     w = d_cpu["router_w"]
     w[1] *= 6  # two tied pairs of large opposite logits: one of them tops every row
     w[2], w[3], w[4] = w[1], -w[1], -w[1]
+    if case.experts > 33:
+        w[33] = w[1]
     d = on(d_cpu, device, case.strided)
     base = tail_launch(case.hidden, case.experts)
     ref, _, _, _, _ = run_attn(case, d, device, base)
-    out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, packed_topk=True))
-    assert flag.item() == 0
+    out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, **{flag: True}))
+    assert fail.item() == 0
     assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
     n = case.n_live
     assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
@@ -314,6 +319,9 @@ def test_packed_topk_finish_is_bit_identical(case, device):
                 assert r.index(lo + 1) == r.index(lo) + 1, r
                 pairs += 1
     assert pairs >= 1
+    for r in out.ids.cpu()[:n].tolist():
+        if 33 in r and 2 in r and case.experts > 33:
+            assert r.index(33) == r.index(2) + 1, r
 
 
 @pytest.mark.parametrize("unroll", [False, True], ids=["chunked", "unrolled"])
@@ -451,6 +459,11 @@ def test_ready_counter_router_is_bit_identical(case, prefetch, device):
     assert flag.item() == 0 and scratch.ready.item() == 0 and scratch.counter.item() == 0
     assert torch.equal(bits(again.ids), bits(ref.ids))
     assert torch.equal(bits(again.weights), bits(ref.weights))
+
+
+def test_two_topk_finishes_at_once_are_refused():
+    with pytest.raises(ValueError, match="packed_topk and rank_topk are two ways of one top-k"):
+        TailLaunch(packed_topk=True, rank_topk=True)
 
 
 def test_ready_counter_wait_is_bounded(device):
@@ -835,14 +848,15 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
               "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf, "trace_ptr": "*i64", "ready_ptr": i32}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router, unroll, packed, prefetch, trace, count in (
-            (True, False, False, False, False, False), (True, True, False, False, False, False),
-            (True, False, True, False, False, False), (False, False, False, False, False, False),
-            (True, False, False, True, False, False), (True, True, False, True, False, False),
-            (True, False, False, False, True, False), (True, False, False, False, False, True)):
+    for router, unroll, topk, prefetch, trace, count in (  # topk: router.py's TOPK mode
+            (True, False, 0, False, False, False), (True, True, 0, False, False, False),
+            (True, False, 1, False, False, False), (False, False, 0, False, False, False),
+            (True, False, 0, True, False, False), (True, True, 0, True, False, False),
+            (True, False, 0, False, True, False), (True, False, 0, False, False, True),
+            (True, False, 2, False, False, False)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
-              + ("_packed" if packed else "") + ("_prefetch" if prefetch else "")
+              + ("", "_packed", "_rank")[topk] + ("_prefetch" if prefetch else "")
               + ("_trace" if trace else "") + ("_count" if count else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
                                            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
@@ -851,7 +865,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
-                "REARM_PARTS": 1, "PACKED_TOPK": packed, "PREFETCH_W": prefetch,
+                "REARM_PARTS": 1, "TOPK": topk, "PREFETCH_W": prefetch,
                 "TRACE": trace, "COUNT_READY": count, "PDL": False},
             cfg.num_warps)
     for quant, trace in ((False, False), (True, False), (True, True)):
@@ -909,6 +923,10 @@ def test_compiled_kernels_build_for_sm90():
             cnt["atom.global.gpu.acq_rel"]) == (1, 1, 1), cnt
     assert all(s["atom.global.gpu.release"] == s["ld.global.gpu.acquire"] == 0
                for name, s in stats.items() if not name.endswith("_count"))
+    # the rank-counting finish: the same softmax and single arrival (its barriers, 198 vs the
+    # steps' 118 at this commit's compile, are what a GPU timing of it has to beat)
+    rank = stats["attn_routerTrue_rank"]
+    assert rank["atom.global.gpu.acq_rel"] == 1 and rank["ex2.approx"] == base["ex2.approx"]
 
 
 if __name__ == "__main__":
