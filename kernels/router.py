@@ -210,21 +210,7 @@ def _router_program(
             kk = c + tl.arange(0, BLOCK_K)
             ws = ws + (tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
                                mask=em[:, None] & (kk < HIDDEN)[None, :], other=0.0),)
-    if COUNT_READY:
-        ok = wait_count(ready_ptr, n_rows, max_polls)
-        stamp(trace_ptr, pid, 8, TRACE)
-        for c in tl.static_range(0, HIDDEN, BLOCK_K):
-            kk = c + tl.arange(0, BLOCK_K)
-            km = kk < HIDDEN
-            r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
-                        mask=rl[:, None] & km[None, :], other=0.0, volatile=True)  # [RR, BK]
-            if PREFETCH_W:
-                w = ws[c // BLOCK_K]
-            else:
-                w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
-                            mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
-            acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
-    elif UNROLL_K:
+    if UNROLL_K and not COUNT_READY:
         # one poll reads every chunk (unrolled, no reduction inside: the loads can all be in
         # flight together); products accumulate per lane, reduced once at the end (another
         # summation order than the chunked path: the router-logits tolerance row covers both);
@@ -251,15 +237,28 @@ def _router_program(
             polls += 1
         stamp(trace_ptr, pid, 8, TRACE)
         acc = tl.sum(acc3, axis=2)
-    elif PREFETCH_W:
+    elif PREFETCH_W or COUNT_READY:  # unrolled over the chunks (ws is indexed per chunk)
         ok = tl.full([], 1, tl.int32)
+        if COUNT_READY:
+            ok = wait_count(ready_ptr, n_rows, max_polls)
+            stamp(trace_ptr, pid, 8, TRACE)
         for c in tl.static_range(0, HIDDEN, BLOCK_K):
             kk = c + tl.arange(0, BLOCK_K)
-            r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
-                                rl[:, None] & (kk < HIDDEN)[None, :], max_polls)  # [RR, BK]
-            ok = ok & got
-            stamp(trace_ptr, pid, 8, TRACE)  # the last chunk's stamp stays
-            acc += tl.sum(r[:, None, :] * ws[c // BLOCK_K][None, :, :], axis=2)
+            km = kk < HIDDEN
+            if COUNT_READY:
+                r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                            mask=rl[:, None] & km[None, :], other=0.0, volatile=True)
+            else:
+                r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                                    rl[:, None] & km[None, :], max_polls)  # [RR, BK]
+                ok = ok & got
+                stamp(trace_ptr, pid, 8, TRACE)  # the last chunk's stamp stays
+            if PREFETCH_W:
+                w = ws[c // BLOCK_K]
+            else:
+                w = tl.load(rw_ptr + e[:, None] * HIDDEN + kk[None, :],
+                            mask=em[:, None] & km[None, :], other=0.0)  # [BE, BK]
+            acc += tl.sum(r[:, None, :] * w[None, :, :], axis=2)
     else:
         ok = tl.full([], 1, tl.int32)
         for k0 in range(0, HIDDEN, BLOCK_K):
