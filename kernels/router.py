@@ -35,58 +35,13 @@ from kernels.timeline import stamp
 
 
 @triton.jit
-def _rank_topk(p, RR: tl.constexpr, BLOCK_EALL: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               GROUP: tl.constexpr):
-    """p [RR, EALL] → (top_p, top_i) [RR, BLOCK_TOPK]: slot k holds the element of rank k
-    under (p descending, index ascending) — the k-th choice of the step-by-step top-k — by
-    counting, in two levels with no sequential steps:
-      1. ranks within groups of GROUP experts; a group's BLOCK_TOPK best are its candidates.
-         Every member of the overall top-BLOCK_TOPK is a candidate (fewer than BLOCK_TOPK
-         elements beat it at all, so fewer beat it in its group).
-      2. ranks among the NG · BLOCK_TOPK candidates. For an overall top element the elements
-         that beat it are all candidates, so this is its overall rank; any other element is
-         beaten by the whole top-BLOCK_TOPK, so its rank here is ≥ BLOCK_TOPK.
-    Each pick is a one-hot sum (one term, the others +0: exact; p holds no −0).
-    Needs GROUP ≥ BLOCK_TOPK (every slot of a group filled) and GROUP | BLOCK_EALL."""
-    NG: tl.constexpr = BLOCK_EALL // GROUP
-    NC: tl.constexpr = NG * BLOCK_TOPK
-    p3 = tl.reshape(p, [RR, NG, GROUP])  # p3[r, g, m] = p[r, g·GROUP + m]
-    m = tl.arange(0, GROUP)
-    gidx = tl.arange(0, NG)[:, None] * GROUP + m[None, :]  # [NG, G] expert index
-    pj, pi = p3[:, :, None, :], p3[:, :, :, None]  # j [RR, NG, 1, G], i [RR, NG, G, 1]
-    lower = m[None, None, None, :] < m[None, None, :, None]
-    local = tl.sum(((pj > pi) | ((pj == pi) & lower)).to(tl.int32), axis=3)  # [RR, NG, G]
-    kc = tl.arange(0, BLOCK_TOPK)
-    hit = local[:, :, None, :] == kc[None, None, :, None]  # [RR, NG, K, G]
-    cv = tl.reshape(tl.sum(tl.where(hit, p3[:, :, None, :], 0.0), axis=3), [RR, NC])
-    ci = tl.reshape(tl.sum(tl.where(hit, gidx[None, :, None, :], 0), axis=3), [RR, NC])
-    vj, vi = cv[:, None, :], cv[:, :, None]  # j [RR, 1, NC], i [RR, NC, 1]
-    beats = (vj > vi) | ((vj == vi) & (ci[:, None, :] < ci[:, :, None]))
-    rank = tl.sum(beats.to(tl.int32), axis=2)  # [RR, NC]
-    hit2 = rank[:, None, :] == kc[None, :, None]  # [RR, K, NC]
-    top_p = tl.sum(tl.where(hit2, cv[:, None, :], 0.0), axis=2)
-    top_i = tl.sum(tl.where(hit2, ci[:, None, :], 0), axis=2)
-    return top_p, top_i
-
-
-@triton.jit
-def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
-                  stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
-                  HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
-                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
-                  REARM_RIN: tl.constexpr, TOPK: tl.constexpr = 0,
-                  trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
-    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
-    TRACE (kernels/timeline.py): slot 4 after the softmax, 5 after the top-k, 6 once ids and
-    weights are stored (before the re-arm).
-    REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
-    (`_route_kernel`) reads a tensor it does not own and leaves it alone.
-    TOPK (kernels/tails_launch.py topk_mode): 0 — TOP_K steps, each a max over p and a min over
-    the indices that reach it; 1 (packed) — each step one int64 max over keys (p's bits << 32 |
-    EALL − 1 − index): the same choice (p ≥ 0, so its bits order as it does; equal p → the
-    larger low word, the lower index) in one reduction per step; 2 (ranks) — no steps: every
-    position by rank counting (_rank_topk). All three pick the same experts in the same order
-    with the same values."""
+def _softmax_topk_full(logit_ptr, rows, rl, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
+                       TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, TOPK: tl.constexpr,
+                       trace_ptr, pid, TRACE: tl.constexpr):
+    """The logits as one [RR, EALL] tile → (valid [RR], top_p / top_i [RR, BLOCK_TOPK], wsum
+    [RR]). On the GPU each row's reductions span every warp (the tile's experts are spread over
+    all of them): two cross-warp reductions per top-k step (TOPK 0), one of int64 keys (TOPK 1).
+    wsum is tl.sum over top_p (its order follows top_p's layout)."""
     ea = tl.arange(0, BLOCK_EALL)
     eam = ea < EXPERTS
     lm = rl[:, None] & eam[None, :]
@@ -103,12 +58,7 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
     kc = tl.arange(0, BLOCK_TOPK)
     top_p = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.float32)
     top_i = tl.zeros([rows.shape[0], BLOCK_TOPK], tl.int32)
-    if TOPK == 2:
-        top_p, top_i = _rank_topk(p, rows.shape[0], BLOCK_EALL, BLOCK_TOPK,
-                                  min(32, BLOCK_EALL))
-        top_p = tl.where(kc[None, :] < TOP_K, top_p, 0.0)  # the loop leaves slots ≥ K at 0
-        top_i = tl.where(kc[None, :] < TOP_K, top_i, 0)
-    elif TOPK == 1:
+    if TOPK == 1:
         low = (BLOCK_EALL - 1 - ea).to(tl.int64)
         key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
         key = tl.where(eam[None, :], key, -1)
@@ -126,8 +76,103 @@ def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
             top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
             top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
             p = tl.where(ea[None, :] == idx[:, None], -2.0, p)
+    return valid, top_p, top_i, tl.sum(top_p, axis=1)
+
+
+@triton.jit
+def _softmax_topk_groups(logit_ptr, rows, rl, EXPERTS: tl.constexpr,
+                         BLOCK_EALL: tl.constexpr, TOP_K: tl.constexpr,
+                         BLOCK_TOPK: tl.constexpr, trace_ptr, pid, TRACE: tl.constexpr):
+    """TailLaunch.group_finish: the logits as NG tiles [RR, G] of G = min(32, EALL) experts
+    (tile g holds experts g·G + lane), so that a row's reduction runs inside one warp (a warp
+    spans a tile's G columns; no tile is split across warps) and the NG tiles meet by
+    elementwise max / add in g order first. The same choices as _softmax_topk_full (max and
+    min are exact; ties: the lower index); the softmax sum adds the tiles in g order, then
+    within the warp, and wsum adds the top-k values in k order, so p and the weights may differ
+    from the full tile's in the last bits (the kernels.router.weights row covers both).
+    → (valid, top_p, top_i, wsum) as _softmax_topk_full."""
+    G: tl.constexpr = min(32, BLOCK_EALL)
+    NG: tl.constexpr = BLOCK_EALL // G
+    RR: tl.constexpr = rows.shape[0]
+    lane = tl.arange(0, G)
+    lgs = ()  # NG × [RR, G]; all loads issued before any reduction
+    for g in tl.static_range(NG):
+        e = g * G + lane
+        lgs = lgs + (tl.load(logit_ptr + rows[:, None] * EXPERTS + e[None, :],
+                             mask=rl[:, None] & (e < EXPERTS)[None, :], other=float("-inf"),
+                             volatile=True),)
+    bad = tl.zeros([RR, G], tl.int32)
+    mx = lgs[0]
+    for g in tl.static_range(NG):
+        finite = (lgs[g] == lgs[g]) & (tl.abs(lgs[g]) < float("inf"))
+        bad = bad | (~finite & (g * G + lane < EXPERTS)[None, :]).to(tl.int32)
+        mx = tl.maximum(mx, lgs[g])
+    valid = tl.max(bad, axis=1) == 0  # [RR]
+    m = tl.where(rl, tl.max(mx, axis=1), 0.0)  # dead rows: no -inf - -inf
+    ps = ()
+    acc = tl.zeros([RR, G], tl.float32)
+    for g in tl.static_range(NG):
+        pg = tl.exp(lgs[g] - m[:, None])
+        ps = ps + (pg,)
+        acc = acc + pg
+    s = tl.where(rl, tl.sum(acc, axis=1), 1.0)
+    qs = ()
+    for g in tl.static_range(NG):
+        pg = tl.div_rn(ps[g], tl.broadcast_to(s[:, None], ps[g].shape))
+        qs = qs + (tl.where((g * G + lane < EXPERTS)[None, :], pg, -1.0),)
+    stamp(trace_ptr, pid, 4, TRACE)
+    kc = tl.arange(0, BLOCK_TOPK)
+    top_p = tl.zeros([RR, BLOCK_TOPK], tl.float32)
+    top_i = tl.zeros([RR, BLOCK_TOPK], tl.int32)
+    wsum = tl.zeros([RR], tl.float32)
+    for k in tl.static_range(TOP_K):
+        mg = qs[0]
+        for g in tl.static_range(1, NG):
+            mg = tl.maximum(mg, qs[g])
+        best = tl.max(mg, axis=1)
+        ig = tl.full([RR, G], BLOCK_EALL, tl.int32)
+        for g in tl.static_range(NG):
+            ig = tl.minimum(ig, tl.where(qs[g] == best[:, None], g * G + lane[None, :],
+                                         BLOCK_EALL))
+        idx = tl.min(ig, axis=1)
+        top_p = tl.where(kc[None, :] == k, best[:, None], top_p)
+        top_i = tl.where(kc[None, :] == k, idx[:, None], top_i)
+        wsum = wsum + best
+        nq = ()
+        for g in tl.static_range(NG):
+            nq = nq + (tl.where(g * G + lane[None, :] == idx[:, None], -2.0, qs[g]),)
+        qs = nq
+    return valid, top_p, top_i, wsum
+
+
+@triton.jit
+def _route_finish(logit_ptr, ids_ptr, wts_ptr, rin_ptr, cnt_ptr, flag_ptr,
+                  stride_ir, stride_ik, stride_wr, stride_wk, rows, rl,
+                  HIDDEN: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_EALL: tl.constexpr,
+                  TOP_K: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_K: tl.constexpr,
+                  REARM_RIN: tl.constexpr, TOPK: tl.constexpr = 0,
+                  trace_ptr=None, pid=0, TRACE: tl.constexpr = False):
+    """Last router program: softmax → top-k (ties: lower index) → renormalize, as ops.route.
+    TRACE (kernels/timeline.py): slot 4 after the softmax, 5 after the top-k, 6 once ids and
+    weights are stored (before the re-arm).
+    REARM_RIN: restore r_in to NaN (the folded router's handoff); a standalone route
+    (`_route_kernel`) reads a tensor it does not own and leaves it alone.
+    TOPK (kernels/tails_launch.py topk_mode): 0 — TOP_K steps, each a max over p and a min over
+    the indices that reach it; 1 (packed) — each step one int64 max over keys (p's bits << 32 |
+    EALL − 1 − index): the same choice (p ≥ 0, so its bits order as it does; equal p → the
+    larger low word, the lower index) in one reduction per step; 2 (groups) — the steps of 0
+    over warp-sized tiles (_softmax_topk_groups). All three pick the same experts in the same
+    order; 0 and 1 with the same values, 2 within the weights' tolerance of them."""
+    if TOPK == 2:
+        valid, top_p, top_i, wsum = _softmax_topk_groups(
+            logit_ptr, rows, rl, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, trace_ptr, pid, TRACE)
+    else:
+        valid, top_p, top_i, wsum = _softmax_topk_full(
+            logit_ptr, rows, rl, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, TOPK, trace_ptr, pid,
+            TRACE)
     stamp(trace_ptr, pid, 5, TRACE)
-    wsum = tl.where(rl, tl.sum(top_p, axis=1), 1.0)
+    kc = tl.arange(0, BLOCK_TOPK)
+    wsum = tl.where(rl, wsum, 1.0)
     w = tl.div_rn(top_p, tl.broadcast_to(wsum[:, None], top_p.shape))
     w = tl.where(valid[:, None], w, float("nan"))
     ids = tl.where(valid[:, None], top_i, -1)
@@ -193,8 +238,9 @@ def _router_program(
     UNROLL_K, being issued again by every poll); the same products summed in the same order
     (bit-equal logits with either poll).
     COUNT_READY: wait until the ready counter counts all n_rows row programs (one int polled
-    instead of all of r_in), then read r_in chunk by chunk — the chunked poll's products and
-    order, so its logits equal the chunked NaN path's bit for bit (UNROLL_K has no effect).
+    instead of all of r_in), then issue the loads of every chunk of r_in at once and multiply
+    chunk by chunk — the chunked poll's products and order, so its logits equal the chunked NaN
+    path's bit for bit (UNROLL_K has no effect).
     TRACE (kernels/timeline.py, pid = the launch's program id): slot 8 once the wait for the
     router input is over (NaN readiness: after the last chunk's wait or the unrolled poll;
     COUNT_READY: after the counter read), slot 1 once the logits are computed, then
@@ -242,12 +288,17 @@ def _router_program(
         if COUNT_READY:
             ok = wait_count(ready_ptr, n_rows, max_polls)
             stamp(trace_ptr, pid, 8, TRACE)
+            rs = ()  # every chunk's loads issued before the first product: one L2 round trip
+            for c in tl.static_range(0, HIDDEN, BLOCK_K):
+                kk = c + tl.arange(0, BLOCK_K)
+                rs = rs + (tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
+                                   mask=rl[:, None] & (kk < HIDDEN)[None, :], other=0.0,
+                                   volatile=True),)  # [RR, BK] each
         for c in tl.static_range(0, HIDDEN, BLOCK_K):
             kk = c + tl.arange(0, BLOCK_K)
             km = kk < HIDDEN
             if COUNT_READY:
-                r = tl.load(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
-                            mask=rl[:, None] & km[None, :], other=0.0, volatile=True)
+                r = rs[c // BLOCK_K]
             else:
                 r, got = wait_ready(rin_ptr + rows[:, None] * HIDDEN + kk[None, :],
                                     rl[:, None] & km[None, :], max_polls)  # [RR, BK]

@@ -18,12 +18,14 @@ class TailLaunch:
     packed_topk: bool = False  # router finish: one int64 max per top-k step (_route_finish)
     prefetch_w: bool = False  # router: all weight chunks loaded before the first wait
     count_ready: bool = False  # router: wait on a row counter, not on r_in's NaN (router.py)
-    rank_topk: bool = False  # router finish: top-k by rank counting, no steps (_rank_topk)
+    # router finish: softmax and top-k over warp-sized tiles, each row's reductions inside
+    # one warp (kernels/router.py _softmax_topk_groups)
+    group_finish: bool = False
 
     def __post_init__(self) -> None:
-        if self.packed_topk and self.rank_topk:
-            raise ValueError("TailLaunch: packed_topk and rank_topk are two ways of one top-k; "
-                             "choose one")
+        if self.packed_topk and self.group_finish:
+            raise ValueError("TailLaunch: packed_topk and group_finish are two ways of one "
+                             "top-k; choose one")
 
 
 def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
@@ -38,8 +40,8 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
 
 def topk_mode(cfg: TailLaunch) -> int:
     """The router finish's TOPK constexpr (kernels/router.py _route_finish): 0 steps, 1 packed
-    steps, 2 ranks."""
-    return 2 if cfg.rank_topk else int(cfg.packed_topk)
+    steps, 2 steps over warp-sized groups."""
+    return 2 if cfg.group_finish else int(cfg.packed_topk)
 
 
 def pow2(x: int) -> int:

@@ -286,42 +286,94 @@ def test_unrolled_router_poll(case, device):
                   twin_attn(case, d_cpu))
 
 
-@pytest.mark.parametrize("flag", ["packed_topk", "rank_topk"])
-@pytest.mark.parametrize("case", [c for c in CASES if c.experts][:3] + [CASES[5], CASES[6], REAL],
-                         ids=lambda c: c.name)
-def test_other_topk_finishes_are_bit_identical(case, flag, device):
-    """TailLaunch.packed_topk (one int64 max per top-k step) and rank_topk (ranks counted in
-    groups of 32, then among the groups' candidates) pick the same experts in the same order
-    with the same weights as the two-reduction finish — ties included: experts 1 and 2 share
-    their router row (equal logits), so the lower index must come first; with 64 or more
-    experts expert 33 (another group of 32) ties with them too and comes third."""
+TOPK_CASES = [c for c in CASES if c.experts][:3] + [CASES[5], CASES[6], REAL]
+
+
+def tied_router(case: Case, seed: int, device):
+    """Inputs whose router rows tie: experts 1 and 2 share a (large) row, 3 and 4 its negation,
+    and with more than 33 experts expert 33 (another group of 32) ties with 1 and 2 too →
+    (cpu inputs, device inputs)."""
     if device.type == "cpu" and case is REAL:
         pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
-    d_cpu = make_inputs(case, 90 + CASES.index(case) if case in CASES else 99)
+    d_cpu = make_inputs(case, seed)
     w = d_cpu["router_w"]
     w[1] *= 6  # two tied pairs of large opposite logits: one of them tops every row
     w[2], w[3], w[4] = w[1], -w[1], -w[1]
     if case.experts > 33:
         w[33] = w[1]
-    d = on(d_cpu, device, case.strided)
+    return d_cpu, on(d_cpu, device, case.strided)
+
+
+def assert_ties_in_order(case: Case, ids: torch.Tensor) -> None:
+    """A tied pair in the top-k sits adjacent, lower index first; 33 right after 2."""
+    pairs = 0
+    for r in ids.tolist():
+        for lo in (1, 3):
+            if lo in r and lo + 1 in r:
+                assert r.index(lo + 1) == r.index(lo) + 1, r
+                pairs += 1
+        if 33 in r and 2 in r and case.experts > 33:
+            assert r.index(33) == r.index(2) + 1, r
+    assert pairs >= 1
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=lambda c: c.name)
+def test_packed_topk_finish_is_bit_identical(case, device):
+    """TailLaunch.packed_topk (one int64 max per top-k step) picks the same experts in the same
+    order with the same weights as the two-reduction finish — ties included (tied_router)."""
+    d_cpu, d = tied_router(case, 90 + CASES.index(case) if case in CASES else 99, device)
     base = tail_launch(case.hidden, case.experts)
     ref, _, _, _, _ = run_attn(case, d, device, base)
-    out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, **{flag: True}))
+    out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, packed_topk=True))
     assert fail.item() == 0
     assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0
     n = case.n_live
     assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
     assert torch.equal(out.weights.cpu()[:n], ref.weights.cpu()[:n])
-    pairs = 0
-    for r in out.ids.cpu()[:n].tolist():  # a tied pair in the top-k: adjacent, lower first
-        for lo in (1, 3):
-            if lo in r and lo + 1 in r:
-                assert r.index(lo + 1) == r.index(lo) + 1, r
-                pairs += 1
-    assert pairs >= 1
-    for r in out.ids.cpu()[:n].tolist():
-        if 33 in r and 2 in r and case.experts > 33:
-            assert r.index(33) == r.index(2) + 1, r
+    assert_ties_in_order(case, out.ids.cpu()[:n])
+
+
+@pytest.mark.parametrize("count", [False, True], ids=["nan", "counter"])
+@pytest.mark.parametrize("case", TOPK_CASES, ids=lambda c: c.name)
+def test_group_finish_picks_the_same_experts(case, count, device):
+    """TailLaunch.group_finish (softmax and top-k over warp-sized tiles): the same ids as the
+    two-reduction finish, ties included (tied_router); the weights within the
+    kernels.router.weights row of it (its sums add in another order) and of ops.route on the
+    kernel's own logits (check_routing); the same logits, h and f_in bits; the scratch
+    invariant restored with either wait."""
+    d_cpu, d = tied_router(case, 110 + CASES.index(case) if case in CASES else 119, device)
+    base = replace(tail_launch(case.hidden, case.experts), count_ready=count)
+    ref, ref_scratch, _, _, _ = run_attn(case, d, device, base)
+    out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, group_finish=True))
+    assert fail.item() == 0
+    assert scratch.counter.item() == 0 and scratch.ready.item() == 0
+    assert torch.isnan(scratch.r_in.cpu()).all() != count
+    n = case.n_live
+    assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
+    check(out.weights.cpu()[:n], ref.weights.cpu()[:n], "kernels.router.weights", "fp32")
+    assert torch.equal(scratch.logits.cpu()[:n], ref_scratch.logits.cpu()[:n])
+    for a, b in ((out.h, ref.h), (out.f_in, ref.f_in)):
+        assert torch.equal(a.cpu()[:n].view(torch.int16), b.cpu()[:n].view(torch.int16))
+    assert_ties_in_order(case, out.ids.cpu()[:n])
+    check_routing(case, out, scratch.logits.cpu()[:n], twin_logits(case, d_cpu),
+                  twin_attn(case, d_cpu))
+
+
+def test_group_finish_marks_nonfinite_rows(device):
+    """Rows whose logits are not finite: the group finish gives them ids −1 and NaN weights and
+    raises the failure flag, as the steps do."""
+    case = CASES[1]
+    d_cpu = make_inputs(case, 7)
+    d_cpu["router_w"][5] = 3e38  # finite weights whose products overflow FP32
+    d = on(d_cpu, device, case.strided)
+    base = tail_launch(case.hidden, case.experts)
+    ref, _, ref_fail, _, _ = run_attn(case, d, device, base)
+    out, _, fail, _, _ = run_attn(case, d, device, replace(base, group_finish=True))
+    assert ref_fail.item() == 1 and fail.item() == 1
+    n = case.n_live
+    assert torch.equal(out.ids.cpu()[:n], ref.ids.cpu()[:n])
+    assert (out.ids.cpu()[:n] == -1).any()
+    assert torch.equal(torch.isnan(out.weights.cpu()[:n]), torch.isnan(ref.weights.cpu()[:n]))
 
 
 @pytest.mark.parametrize("unroll", [False, True], ids=["chunked", "unrolled"])
@@ -462,8 +514,8 @@ def test_ready_counter_router_is_bit_identical(case, prefetch, device):
 
 
 def test_two_topk_finishes_at_once_are_refused():
-    with pytest.raises(ValueError, match="packed_topk and rank_topk are two ways of one top-k"):
-        TailLaunch(packed_topk=True, rank_topk=True)
+    with pytest.raises(ValueError, match="packed_topk and group_finish are two ways of one"):
+        TailLaunch(packed_topk=True, group_finish=True)
 
 
 def test_ready_counter_wait_is_bounded(device):
@@ -856,7 +908,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
             (True, False, 2, False, False, False)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
-              + ("", "_packed", "_rank")[topk] + ("_prefetch" if prefetch else "")
+              + ("", "_packed", "_groups")[topk] + ("_prefetch" if prefetch else "")
               + ("_trace" if trace else "") + ("_count" if count else "")] = build(
             T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
                                            "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
@@ -923,11 +975,11 @@ def test_compiled_kernels_build_for_sm90():
             cnt["atom.global.gpu.acq_rel"]) == (1, 1, 1), cnt
     assert all(s["atom.global.gpu.release"] == s["ld.global.gpu.acquire"] == 0
                for name, s in stats.items() if not name.endswith("_count"))
-    # the rank-counting finish: the same softmax and single arrival (its barriers, 198 vs the
-    # steps' 118 at this commit's compile, are what a GPU timing of it has to beat)
-    rank = stats["attn_routerTrue_rank"]
-    assert rank["atom.global.gpu.acq_rel"] == 1 and rank["ex2.approx"] == base["ex2.approx"]
-
+    # the group finish: the same softmax exps and single arrival, fewer barriers (each row's
+    # reductions stay inside one warp)
+    grp = stats["attn_routerTrue_groups"]
+    assert grp["atom.global.gpu.acq_rel"] == 1 and grp["ex2.approx"] == base["ex2.approx"]
+    assert grp["bar.sync"] < base["bar.sync"], (grp["bar.sync"], base["bar.sync"])
 
 if __name__ == "__main__":
     print(json.dumps(_compile_sm90()))
