@@ -87,18 +87,16 @@ def _attn_row_program(
 ):
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
-    # the operands that do not wait for the partials are loaded before the poll, so their
-    # round trips overlap it
-    m = cmask & (row < n)
-    w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    w_ffn = tl.load(w_ffn_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    xn = tl.load(xn_ptr + row * stride_xr + cols, mask=m, other=0.0).to(tl.float32)
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
     stamp(trace_ptr, row, 1, TRACE)
+    m = cmask & live
     a = _bf16(acc)  # the o_proj output a
+    w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    w_ffn = tl.load(w_ffn_ptr + cols, mask=m, other=0.0).to(tl.float32)
     an = _bf16(_rms(a, w_aon, eps, HIDDEN))
+    xn = tl.load(xn_ptr + row * stride_xr + cols, mask=m, other=0.0).to(tl.float32)
     h32 = xn + an * scale
     h = _bf16(h32)
     f = _bf16(_rms(h, w_ffn, eps, HIDDEN))
@@ -172,14 +170,14 @@ def _moe_tail_kernel(
     n = tl.load(n_live_ptr)
     cols = tl.arange(0, BLOCK_H)
     cmask = cols < HIDDEN
-    m = cmask & (row < n)  # h and the norm weight are loaded before the poll (it overlaps them)
-    h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
     stamp(trace_ptr, row, 1, TRACE)
+    m = cmask & live
     f = _bf16(acc)  # the experts' output f
+    h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     x = _bf16(h + f * scale)
     xn = _bf16(_rms(x, w, eps, HIDDEN))
     xn = tl.where(ready != 0, xn, float("nan"))
