@@ -32,10 +32,20 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
     """E ≥ 64 (the real E = 256: 128 router programs of 2 experts, 3 steps of 1024 columns):
     20.0 µs per attention tail with router on the H200 vs 50.7 µs for 4 experts × 128 columns
     (6 of 8 rows, N = 8; `bench_tails --sweep`, reports/benchmarks/h200-2026-11-29/session3/);
-    the router programs' wait is a chain of volatile loads, one link per step."""
+    the router programs' wait is a chain of volatile loads, one link per step.
+    Every shape: the ready counter and the group finish; E ≥ 64 also the weights prefetched
+    before the wait. On the H100 (reports/benchmarks/h100-2026-12-06b/, `exp_tail_timeline`,
+    6 of 8 rows, N = 8): 19.54 µs per attention tail with router as NaN readiness and the
+    full-tile finish, 17.39 with the counter, 16.40 with the group finish too, 15.32 with the
+    prefetch too; block_e 4 (17.49) and block_k 512 (17.16) lose. In the rank round
+    (`benchmarks.rank --launch tails.count_ready=1,tails.group_finish=1`, alternating) the
+    counter and group finish are 2.2–3.0 % faster rounds in 4 of 4 pairs (widths 6 / 8 × 1K /
+    4K)."""
     if experts >= 64:
-        return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)))
-    return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)))
+        return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)), count_ready=True,
+                          group_finish=True, prefetch_w=True)
+    return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)), count_ready=True,
+                      group_finish=True)
 
 
 def topk_mode(cfg: TailLaunch) -> int:

@@ -48,14 +48,14 @@ def test_bad_overrides_name_the_field(text, message):
 
 def test_configs_replace_only_the_named_fields_of_the_pinned_ones():
     o = LaunchOverrides.parse("moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4,"
-                              "tails.packed_topk=1")
+                              "tails.unroll_k=1")
     assert o.moe_config(3072, 192, "cuda") == dataclasses.replace(moe_launch(3072, 192),
                                                                   down_rows=True)
     assert o.sampler_config(20000) == dataclasses.replace(sampler_launch(20000), tile=2048,
                                                           scan_warps=4)
     assert o.tail_config(3072, 256) == dataclasses.replace(tail_launch(3072, 256),
-                                                           packed_topk=True)
-    assert o.tail_config(3072) == dataclasses.replace(tail_launch(3072), packed_topk=True)
+                                                           unroll_k=True)
+    assert o.tail_config(3072) == dataclasses.replace(tail_launch(3072), unroll_k=True)
     none = LaunchOverrides()
     assert (none.moe_config(3072, 192, "cuda"), none.sampler_config(20000),
             none.tail_config(3072)) == (None, None, None)
@@ -68,7 +68,7 @@ def _spy(monkeypatch, module, name, seen):
     monkeypatch.setattr(module, name, record)
 
 
-@pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.packed_topk=1"])
+@pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.unroll_k=1"])
 def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     """Each covered op reaches its wrapper with the overrides applied to the configuration the
     wrapper would pin for that shape (hidden 256, I 64, 512-column logits, 16 experts)."""
@@ -94,5 +94,5 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
         return
     assert seen["moe_fp8"] == dataclasses.replace(moe_launch(256, 64, "cpu"), down_rows=True)
     assert seen["sample"] == dataclasses.replace(sampler_launch(512), tile=2048)
-    assert seen["attn_tail"] == dataclasses.replace(tail_launch(256, 16), packed_topk=True)
-    assert seen["moe_tail"] == dataclasses.replace(tail_launch(256), packed_topk=True)
+    assert seen["attn_tail"] == dataclasses.replace(tail_launch(256, 16), unroll_k=True)
+    assert seen["moe_tail"] == dataclasses.replace(tail_launch(256), unroll_k=True)

@@ -200,6 +200,25 @@ def check_routing(case: Case, out: AttnTailOut, logits: torch.Tensor, twin_l: to
     return rep
 
 
+def nan_launch(case: Case) -> TailLaunch:
+    """The pinned launch with the router's NaN-readiness wait, the full-tile finish and the
+    weights loaded per chunk: the variants are weighed against it (bit-identical to it, or
+    within its tolerance rows)."""
+    return replace(tail_launch(case.hidden, case.experts), count_ready=False,
+                   group_finish=False, prefetch_w=False)
+
+
+def assert_scratch_restored(case: Case, scratch: RouterScratch) -> None:
+    """The scratch invariant after a pinned launch: both counters 0; r_in all NaN again with
+    the NaN wait, the live rows' router input left as written with the ready counter."""
+    assert scratch.counter.item() == 0 and scratch.ready.item() == 0, "counters not reset"
+    r_in = scratch.r_in.cpu()
+    if tail_launch(case.hidden, case.experts).count_ready:
+        assert torch.isfinite(r_in[:case.n_live]).all(), "r_in: the live rows' router input"
+    else:
+        assert torch.isnan(r_in).all(), "r_in not re-armed with NaN"
+
+
 def run_case(case: Case, seed: int, device) -> dict[str, object]:
     d_cpu = make_inputs(case, seed)
     d = on(d_cpu, device, case.strided)
@@ -221,8 +240,7 @@ def run_case(case: Case, seed: int, device) -> dict[str, object]:
         assert_written(out.weights, n, "weights")
         ids = out.ids.cpu()
         assert (ids[:n] >= 0).all() and (ids[:n] < case.experts).all() and (ids[n:] == -7).all()
-        assert torch.isnan(scratch.r_in.cpu()).all() and scratch.counter.item() == 0, \
-            "scratch invariant (r_in NaN, counter 0) not restored"
+        assert_scratch_restored(case, scratch)
         rep |= check_routing(case, out, scratch.logits.cpu()[:n], twin_logits(case, d_cpu), twin)
     # MoE tail on the same partials, with the layer output x written too
     mo = MoeTailOut(torch.full((case.rows, case.hidden), POISON, dtype=torch.bfloat16,
@@ -274,7 +292,7 @@ def test_unrolled_router_poll(case, device):
     invariant is restored."""
     d_cpu = make_inputs(case, 70 + CASES.index(case))
     d = on(d_cpu, device, case.strided)
-    base = tail_launch(case.hidden, case.experts)
+    base = nan_launch(case)
     n = case.n_live
     ref, _, _, _, _ = run_attn(case, d, device, base)
     out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, unroll_k=True))
@@ -322,7 +340,7 @@ def test_packed_topk_finish_is_bit_identical(case, device):
     """TailLaunch.packed_topk (one int64 max per top-k step) picks the same experts in the same
     order with the same weights as the two-reduction finish — ties included (tied_router)."""
     d_cpu, d = tied_router(case, 90 + CASES.index(case) if case in CASES else 99, device)
-    base = tail_launch(case.hidden, case.experts)
+    base = nan_launch(case)
     ref, _, _, _, _ = run_attn(case, d, device, base)
     out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, packed_topk=True))
     assert fail.item() == 0
@@ -342,7 +360,7 @@ def test_group_finish_picks_the_same_experts(case, count, device):
     kernel's own logits (check_routing); the same logits, h and f_in bits; the scratch
     invariant restored with either wait."""
     d_cpu, d = tied_router(case, 110 + CASES.index(case) if case in CASES else 119, device)
-    base = replace(tail_launch(case.hidden, case.experts), count_ready=count)
+    base = replace(nan_launch(case), count_ready=count)
     ref, ref_scratch, _, _, _ = run_attn(case, d, device, base)
     out, scratch, fail, _, _ = run_attn(case, d, device, replace(base, group_finish=True))
     assert fail.item() == 0
@@ -366,7 +384,7 @@ def test_group_finish_marks_nonfinite_rows(device):
     d_cpu = make_inputs(case, 7)
     d_cpu["router_w"][5] = 3e38  # finite weights whose products overflow FP32
     d = on(d_cpu, device, case.strided)
-    base = tail_launch(case.hidden, case.experts)
+    base = nan_launch(case)
     ref, _, ref_fail, _, _ = run_attn(case, d, device, base)
     out, _, fail, _, _ = run_attn(case, d, device, replace(base, group_finish=True))
     assert ref_fail.item() == 1 and fail.item() == 1
@@ -387,7 +405,7 @@ def test_prefetched_router_weights_are_bit_identical(case, unroll, device):
         pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
     d_cpu = make_inputs(case, 110 + (CASES.index(case) if case in CASES else 9))
     d = on(d_cpu, device, case.strided)
-    base = replace(tail_launch(case.hidden, case.experts), unroll_k=unroll)
+    base = replace(nan_launch(case), unroll_k=unroll)
     if case is not REAL:
         base = replace(base, block_k=pow2(-(-case.hidden // 4)))
     n = case.n_live
@@ -490,7 +508,7 @@ def test_ready_counter_router_is_bit_identical(case, prefetch, device):
         pytest.skip("the real shape is slow under the interpreter; a GPU runs it")
     d_cpu = make_inputs(case, 130 + (CASES.index(case) if case in CASES else 9))
     d = on(d_cpu, device, case.strided)
-    base = tail_launch(case.hidden, case.experts)
+    base = nan_launch(case)
     if case is not REAL:
         base = replace(base, block_k=pow2(-(-case.hidden // 4)))
     n = case.n_live
@@ -554,7 +572,7 @@ def test_router_launch_variants_at_the_real_shape_gpu(change, device):
     case = replace(REAL, name="real-6of8-N8", n_live=6)
     d_cpu = make_inputs(case, 80)
     d = on(d_cpu, device, case.strided)
-    base = tail_launch(case.hidden, case.experts)
+    base = nan_launch(case)
     ref, _, _, _, _ = run_attn(case, d, device, base)
     out, scratch, flag, _, _ = run_attn(case, d, device, replace(base, **change))
     assert flag.item() == 0
@@ -628,7 +646,7 @@ def test_cuda_graph_replay_and_no_host_sync_gpu(device):
         w_own, ids_own = ops.route(scratch.logits.cpu()[:live], torch.eye(case.experts), 8)
         check(out.ids.cpu()[:live], ids_own.int(), "kernels.router.ids", "int32")
         check(out.weights.cpu()[:live], w_own, "kernels.router.weights", "fp32")
-        assert torch.isnan(scratch.r_in).all() and scratch.counter.item() == 0
+        assert_scratch_restored(replace(case, n_live=live), scratch)
         mt = moe_tail_ref(parts.cpu(), out.h.cpu(), d_cpu["next_norm"], live, eps=EPS,
                           ffn_out_scale=FFN_SCALE)
         check(mo.xn.cpu()[:live], mt.xn, "kernels.residual_norm.moe_tail", "bf16")
