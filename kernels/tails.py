@@ -4,12 +4,15 @@ reference/twins/tails.py (`attn_tail_ref`, `moe_tail_ref`), which also lists the
 
 attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll the N partials of row
   r, a = bf16(Σ), an, h32, h, f_in as in reference/model.py; with the router also the FP32 router
-  input rms_norm(h32, ffn_norm) into a NaN-armed scratch row. Then *router programs* (slots R…),
-  one per block of experts, each wait for those scratch rows (NaN readiness again, inside this
-  kernel), compute FP32 logits for all live rows, and the last of them to finish (an acq_rel
-  counter) does softmax → top-k → renormalize and publishes ids/weights.
-  Scratch invariant between launches: r_in all NaN, counter 0 — the last router program restores
-  both; launches of one stream never overlap, so the next launch starts from it.
+  input rms_norm(h32, ffn_norm) into a scratch row. Then *router programs* (slots R…), one per
+  block of experts, each wait for those scratch rows inside this kernel — pinned: on a ready
+  counter every row program raises after its store (TailLaunch.count_ready); otherwise by NaN
+  readiness of the NaN-armed rows — compute FP32 logits for all live rows, and the last of them
+  to finish (an acq_rel counter) does softmax → top-k → renormalize and publishes ids/weights
+  (kernels/router.py).
+  Scratch invariant between launches: both counters 0 (with NaN readiness also r_in all NaN) —
+  the last router program restores it; launches of one stream never overlap, so the next launch
+  starts from it.
   A router program only waits on row programs, which have the lowest program ids and are
   dispatched first, so they are resident before any router program spins (at the real shape
   R + E/block_e = 8 + 128 programs: more than the 132 SMs, not all co-resident at once — the
