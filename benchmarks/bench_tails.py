@@ -5,7 +5,7 @@ against the simplest torch formulation of the same op in the same run.
 
     python -m benchmarks.bench_tails --json bench_tails.json
     python -m benchmarks.bench_tails --sweep        # also a few pinned launch configs
-    python -m benchmarks.bench_tails --ab packed_topk   # a TailLaunch flag off vs on,
+    python -m benchmarks.bench_tails --ab prefetch_w    # a TailLaunch flag off vs on,
                                                         # graphs alternating, attn+router
 
 Each configuration is checked against its twin (reference/twins/tails.py) before any timing — a
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -212,13 +212,17 @@ def bench_one(spec: Spec, reps: int, trials: int, warmup: int, config=None,
 
 
 def bench_ab(flag: str, spec: Spec, reps: int, trials: int, warmup: int) -> dict:
-    """The attention tail with router at the default launch and with TailLaunch.<flag> on, each
-    checked against the twin, timed as CUDA graphs replayed alternately (A B B′ A′ …)."""
+    """The attention tail with router at the pinned launch with TailLaunch.<flag> off and on, each
+    checked against the twin, timed as CUDA graphs replayed alternately (A B B′ A′ …).
+    packed_topk and group_finish exclude each other: weighing either, the other is off in both."""
     from kernels.tails import RouterScratch, tail_launch
 
     p = build(spec, torch.device("cuda"))
     base = tail_launch(spec.hidden, spec.experts)
-    cfgs = {"off": base, "on": replace(base, **{flag: True})}
+    other = {"packed_topk": "group_finish", "group_finish": "packed_topk"}.get(flag)
+    if other:
+        base = replace(base, **{other: False})
+    cfgs = {"off": replace(base, **{flag: False}), "on": replace(base, **{flag: True})}
     row = {**asdict(spec), "ab": flag}
     variants = {}
     for name, cfg in cfgs.items():
@@ -259,9 +263,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--json", type=Path, default=Path("bench_tails.json"))
     args = ap.parse_args(argv)
+    from kernels.tails import tail_launch
+    from kernels.tails_launch import TailLaunch
+
+    flags = [f.name for f in fields(TailLaunch) if f.type in (bool, "bool")]
+    if args.ab and args.ab not in flags:
+        raise SystemExit(f"bench_tails: --ab {args.ab!r}: not a TailLaunch flag; one of "
+                         f"{', '.join(flags)}")
     if not torch.cuda.is_available():
         raise SystemExit("bench_tails: needs a CUDA GPU")
-    from kernels.tails import tail_launch
 
     rows = []
     if args.ab:

@@ -176,8 +176,8 @@ def test_variants_alternate_and_pair_rows():
     assert [(s, p, o.label()) for s, p, o in got] == [
         ("", False, ""), ("+pdl", True, ""),
         ("+moe.down_rows=1,sampler.tile=2048", False, "moe.down_rows=1,sampler.tile=2048")]
-    assert [(s, p) for s, p, _ in variants(SweepSpec(pdl="on", launch=("tails.packed_topk=1",)))
-            ] == [("", True), ("+tails.packed_topk=1", True)]
+    assert [(s, p) for s, p, _ in variants(SweepSpec(pdl="on", launch=("tails.unroll_k=1",)))
+            ] == [("", True), ("+tails.unroll_k=1", True)]
     brk = {"breakdown": {"launches": 1161}}
     rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010, **brk},
             {"context_name": "1K", "policy": "W6+pdl", "round_s": 0.009},
