@@ -110,7 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=6)
     args = ap.parse_args(argv)
+    if args.rounds < 2 or args.depth < 0:
+        ap.error(f"--rounds {args.rounds} --depth {args.depth}: the request needs --rounds >= 2 "
+                 "(its first token comes from the prefill, not from a round) and --depth >= 0")
     counts, n = census(args.ops, args.depth, args.rounds)
+    if n == 0:
+        raise SystemExit(f"round_census: the request ended before a speculative round ran "
+                         f"(--rounds {args.rounds}); nothing to count")
     print(f"{'per round':>9}  {'aten op':<20} site")
     for (name, site), k in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
         print(f"{k / n:9.2f}  {name:<20} {site}")

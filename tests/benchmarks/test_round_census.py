@@ -35,3 +35,15 @@ def test_the_counter_counts_glue_and_skips_views(monkeypatch):
     assert sum(c.counts.values()) == 1
     ((name, site),) = c.counts
     assert name == "add" and "test_the_counter_counts_glue" in site
+
+
+@pytest.mark.parametrize("argv", [["--rounds", "1"], ["--rounds", "0"], ["--depth", "-1"]])
+def test_a_census_of_no_round_is_refused(argv, capsys):
+    """A budget the prefill alone spends (or a negative depth) is an argument error, not a
+    division by zero after the run."""
+    from benchmarks.round_census import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert "the request needs --rounds >= 2" in capsys.readouterr().err
