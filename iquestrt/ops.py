@@ -31,8 +31,11 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundBegin,
     RoundState,
     SampleOut,
+    SettleBounds,
+    TargetRows,
     VerifyOut,
 )
 
@@ -148,6 +151,22 @@ class OpTable(Protocol):
         the draft's q (q_ids / q_probs [Db, W]): accepted count, replacement or bonus."""
 
     # --- the round's bookkeeping -----------------------------------------------------------
+    def begin_round(self, s: RoundState, rec: DraftRecord, b: RoundBegin, *,
+                    clear_from: int) -> None:
+        """Before depth 0: b from the state (go, catch-up rows, hidden base, last row, draft
+        positions, control features); rec emptied, its q rows ≥ clear_from −1 / 0
+        (reference.twins.round_scalars.begin_round_ref)."""
+
+    def target_rows(self, s: RoundState, rec: DraftRecord, b: RoundBegin, t: TargetRows
+                    ) -> None:
+        """After the draft depths: the verification rows, positions and draws, and the draft
+        cache's next position into t (reference.twins.round_scalars.target_rows_ref)."""
+
+    def settle_bounds(self, v: VerifyOut, s: RoundState, t: TargetRows, go: Tensor,
+                      out: SettleBounds, *, recompute: bool) -> None:
+        """After verification: the caches' rollback bounds into out; recompute: the draft's
+        "recompute" settlement (reference.twins.round_scalars.settle_bounds_ref)."""
+
     def check_flags(self, flags: Tensor, ran: Tensor, log: FaultLog, *, code: int) -> None:
         """Record the fault (code, round, index of the first raised flag, 0) in log when a
         flag of flags [L] int32 is raised, the round ran (ran [1] > 0) and no fault came first."""

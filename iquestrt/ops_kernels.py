@@ -21,6 +21,7 @@ from kernels import linear as k_linear
 from kernels import moe as k_moe
 from kernels import qk_rope as k_qk
 from kernels import round_record as k_record
+from kernels import round_scalars as k_scalars
 from kernels import rows as k_rows
 from kernels import sampler as k_sampler
 from kernels import tails as k_tails
@@ -36,8 +37,11 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundBegin,
     RoundState,
     SampleOut,
+    SettleBounds,
+    TargetRows,
     VerifyOut,
 )
 
@@ -164,6 +168,16 @@ class KernelOps:
                n_drafts: Live) -> VerifyOut:
         return k_verify.verify(p.ids, p.probs, q_ids, q_probs, drafts, seed, first,
                                n_drafts=n_drafts.t, pdl=self.pdl)
+
+    def begin_round(self, s: RoundState, rec: DraftRecord, b: RoundBegin, *, clear_from) -> None:
+        k_scalars.begin_round(s, rec, b, clear_from=clear_from, pdl=self.pdl)
+
+    def target_rows(self, s: RoundState, rec: DraftRecord, b: RoundBegin, t: TargetRows) -> None:
+        k_scalars.target_rows(s, rec, b, t, pdl=self.pdl)
+
+    def settle_bounds(self, v: VerifyOut, s: RoundState, t: TargetRows, go,
+                      out: SettleBounds, *, recompute) -> None:
+        k_scalars.settle_bounds(v, s, t, go, out, recompute=recompute, pdl=self.pdl)
 
     def check_flags(self, flags, ran, log: FaultLog, *, code) -> None:
         k_record.check_flags(flags, ran, log, code=code, pdl=self.pdl)

@@ -28,8 +28,11 @@ from reference.op_types import (
     EntrySource,
     FaultLog,
     MoeTailOut,
+    RoundBegin,
     RoundState,
     SampleOut,
+    SettleBounds,
+    TargetRows,
     VerifyOut,
 )
 from reference.twins import attention as t_attention
@@ -40,6 +43,7 @@ from reference.twins import linear as t_linear
 from reference.twins import moe as t_moe
 from reference.twins import qk_rope as t_qk
 from reference.twins import round_record as t_record
+from reference.twins import round_scalars as t_scalars
 from reference.twins import rows as t_rows
 from reference.twins import sampler as t_sampler
 from reference.twins import tails as t_tails
@@ -219,6 +223,16 @@ class TwinOps:
                          torch.tensor([int(bonus)], **i32), em)
 
     # --- row parts (kernels/rows.py, kernels/draft_entry.py, kernels/eh_proj.py)
+    def begin_round(self, s: RoundState, rec: DraftRecord, b: RoundBegin, *, clear_from) -> None:
+        t_scalars.begin_round_ref(s, rec, b, clear_from=clear_from)
+
+    def target_rows(self, s: RoundState, rec: DraftRecord, b: RoundBegin, t: TargetRows) -> None:
+        t_scalars.target_rows_ref(s, rec, b, t)
+
+    def settle_bounds(self, v: VerifyOut, s: RoundState, t: TargetRows, go,
+                      out: SettleBounds, *, recompute) -> None:
+        t_scalars.settle_bounds_ref(v, s, t, go, out, recompute=recompute)
+
     def check_flags(self, flags, ran, log: FaultLog, *, code) -> None:
         t_record.check_flags_ref(flags, ran, log, code=code)
 

@@ -40,8 +40,8 @@ from iquestrt.state import (
     FAULT_TOKEN,
     DeviceState,
 )
-from reference.depth import AdaptiveDepth, FixedDepth, init_features, push_features
-from reference.op_types import DraftRecord
+from reference.depth import AdaptiveDepth, FixedDepth, push_features
+from reference.op_types import DraftRecord, RoundBegin, SettleBounds, TargetRows
 from reference.rng import Purpose
 
 
@@ -53,22 +53,17 @@ def _served_features(out, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, (-(probs * logs).sum()).reshape(1)
 
 
-def _positions(start: torch.Tensor, n: torch.Tensor, ar: torch.Tensor) -> torch.Tensor:
-    return torch.where(ar < n, start + ar, -1).to(torch.int32)  # [R]; padding −1
-
-
 @dataclass
 class _Carry:
     """What a depth hands to the next: the last forward's logits [R, V] / hidden [R, H] and its
-    last live row, the next draft position, 1 while depths run, drafts run, control features.
-    Across a segment boundary nxt and n_d travel in fixed buffers (see RoundProgram.segments)."""
+    last live row, 1 while depths run, control features. The positions and the drafts run
+    live in fixed buffers (RoundProgram.begin, rec.n_d), so no value crosses a segment
+    boundary except through these (see RoundProgram.segments)."""
 
     logits: torch.Tensor | None
     hid: torch.Tensor | None
     last: torch.Tensor | None
-    nxt: torch.Tensor  # [1] int32
     one: torch.Tensor  # [1] int32
-    n_d: torch.Tensor  # [1] int32
     feat: torch.Tensor  # [1, 3] fp32
 
 
@@ -78,10 +73,14 @@ class RoundProgram:
     segments(): the same round as separately capturable parts, for conditional graphs
     (iquestrt/cond_graph.py): pre (depth 0 … min_depth − 1 and the control step deciding depth
     min_depth), one part per later depth k (forward k, sample, control), post (target, verify,
-    settle). A depth part runs only when the previous control said so; nxt and n_d cross the
-    boundaries in the fixed buffers nxt_buf / nd_buf, so post reads right values whether the
-    depth parts ran or not. Fixed depth: one part. Calling the program runs the parts in order
-    (later depths gated by 0 live rows, or on the CPU skipped)."""
+    settle). A depth part runs only when the previous control said so. Its positions were all
+    written by pre (begin.pos), and the drafts run are counted in rec.n_d, so post derives the
+    draft cache's next position from them (target_rows) whether the depth parts ran or not.
+    Fixed depth: one part. Calling the program runs the parts in order (later depths gated by
+    0 live rows, or on the CPU skipped).
+
+    The round's scalar arithmetic is three ops of the table (kernels/round_scalars.py), one
+    launch each: begin_round, target_rows, settle_bounds."""
 
     def __init__(self, engine, st: DeviceState, policy: FixedDepth | AdaptiveDepth):
         """Reads the request only through st (its seed, sampling values, budget and stop ids on
@@ -96,10 +95,18 @@ class RoundProgram:
         self.q_ids = torch.full((rows - 1, width), -1, dtype=torch.int64, device=dev)
         self.q_probs = torch.zeros(rows - 1, width, dtype=torch.float32, device=dev)
         self.d_buf = torch.zeros(rows - 1, dtype=torch.int64, device=dev)  # [Db] drafts
-        self.nxt_buf = torch.zeros(1, dtype=torch.int32, device=dev)
         self.nd_buf = torch.zeros(1, dtype=torch.int32, device=dev)
         # the draft steps' record (ops.record_draft); n_d is nd_buf itself, zeroed by pre
         self.rec = DraftRecord(self.q_ids, self.q_probs, self.d_buf, self.nd_buf)
+        i32, i64 = dict(dtype=torch.int32, device=dev), dict(dtype=torch.int64, device=dev)
+        self.begin = RoundBegin(torch.zeros(1, **i32), torch.zeros(1, **i32),
+                                torch.zeros(1, **i32), torch.zeros(1, **i64),
+                                torch.zeros(rows - 1, **i32),
+                                torch.zeros(1, 3, dtype=torch.float32, device=dev))
+        self.target = TargetRows(torch.zeros(1, **i32), torch.zeros(rows, **i64),
+                                 torch.zeros(rows, **i32), torch.zeros(rows, **i64),
+                                 torch.zeros(1, **i64), torch.zeros(1, **i32))
+        self.bounds = SettleBounds(*(torch.zeros(1, **i32) for _ in SettleBounds._fields))
         self.row0 = torch.zeros(1, dtype=torch.int64, device=dev)  # a depth's last row: 0
         lo = self.adaptive.min_depth if self.adaptive else self.depth
         self.split = tuple(range(lo, self.depth)) if self.depth > 0 else ()  # skippable depths
@@ -123,45 +130,32 @@ class RoundProgram:
     # --- the parts ------------------------------------------------------------------------------
 
     def pre(self) -> torch.Tensor:
-        st, e = self.st, self.e
-        go = 1 - st.done  # [1] int32
-        m = st.m
+        st, e, b = self.st, self.e, self.begin
         self._stopped = False
-        self.d_buf.zero_()
-        if self.split:  # rows a skipped depth part would leave from an earlier round
-            self.q_ids[self.split[0]:].fill_(-1)
-            self.q_probs[self.split[0]:].zero_()
-        c = (m - st.draft_next + 1) * go  # catch-up rows of depth 0
-        self.nd_buf.zero_()
-        cy = _Carry(None, None, None, st.draft_next.clone(), go.clone(), self.nd_buf,
-                    init_features(1, go.device))
+        # depths ≥ split[0] may be skipped (conditional graphs): their q rows start −1 / 0
+        e.ops.begin_round(st.round_state, self.rec, b,
+                          clear_from=self.split[0] if self.split else st.rows - 1)
+        cy = _Carry(None, None, None, b.go, b.feat)
         if self.depth > 0:
-            # one entry launch: token at p (slots clamp at the dump slot), the target hidden
-            # of p − 1 (row p − 1 − hidden_at of st.hidden), positions
+            # one entry launch: c = b.c catch-up rows from draft_next (token at p, slots clamp
+            # at the dump slot; the target hidden of p − 1: row p − 1 − hidden_at of st.hidden)
             cy.logits, cy.hid, _ = e.draft.forward_entry(
-                st.tokens, cy.nxt, st.dump_slot, st.hidden, cy.nxt - 1 - st.hidden_at, cy.nxt,
-                Live.on_device(c), e.session.caches.draft)
-            e.ops.check_logits(cy.logits, Live.on_device(c), st.log, code=FAULT_DRAFT_LOGITS,
+                st.tokens, st.draft_next, st.dump_slot, st.hidden, b.hid_base, st.draft_next,
+                Live.on_device(b.c), e.session.caches.draft)
+            e.ops.check_logits(cy.logits, Live.on_device(b.c), st.log, code=FAULT_DRAFT_LOGITS,
                                where=0)
             if self._host_stop():
                 self._stopped = True
                 return cy.one
-            cy.last = (c - 1).clamp(min=0).long()
-            cy.nxt = cy.nxt + c
+            cy.last = b.last
             self._steps(cy, 0, self.split[0] if self.split else self.depth)
-        self._hand_over(cy)
+        self._carry = cy
         return cy.one
 
     def depth_part(self, k: int) -> torch.Tensor:
         cy = self._carry
-        cy.nxt, cy.n_d = self.nxt_buf, self.nd_buf
         self._steps(cy, k, k + 1, forward_first=True)
-        self._hand_over(cy)
         return cy.one
-
-    def _hand_over(self, cy: _Carry) -> None:
-        self.nxt_buf.copy_(cy.nxt)  # cy.n_d is nd_buf itself
-        self._carry = cy
 
     def _steps(self, cy: _Carry, j0: int, j1: int, forward_first: bool = False) -> None:
         """Depths j0 … j1−1: [forward of depth j,] sample its draft, control step."""
@@ -174,20 +168,19 @@ class RoundProgram:
                 # one row: draft y_j (d_buf[j − 1]) with the previous depth's last hidden,
                 # its operand built inside the eh_proj GEMM (kernels/eh_proj.py)
                 cy.logits, cy.hid, _ = e.draft.forward_entry(
-                    self.d_buf, j - 1, R - 2, cy.hid, cy.last, cy.nxt, Live.on_device(cy.one),
-                    e.session.caches.draft, fused=True)
+                    self.d_buf, j - 1, R - 2, cy.hid, cy.last, self.begin.pos[j - 1:j],
+                    Live.on_device(cy.one), e.session.caches.draft, fused=True)
                 ops.check_logits(cy.logits, Live.on_device(cy.one), st.log,
                                  code=FAULT_DRAFT_LOGITS, where=j)
                 if self._host_stop():
                     self._stopped = True
                     return
                 cy.last = self.row0
-                cy.nxt = cy.nxt + cy.one
             # [1, V]: the depth's last row (row 0 after a one-row forward: a view, no launch)
             row = (cy.logits[:1] if cy.last is self.row0
                    else cy.logits.index_select(0, cy.last))
-            out = ops.sample(row, st.sampling, st.seed, cy.nxt, Purpose.DRAFT_SAMPLE,
-                             Live.on_device(cy.one))  # positions int32 [1]
+            out = ops.sample(row, st.sampling, st.seed, self.begin.pos[j:j + 1],
+                             Purpose.DRAFT_SAMPLE, Live.on_device(cy.one))  # positions [1] int32
             # y_j (clamped into the vocabulary) into d_buf[j], the served row into q_*[j]
             ops.record_draft(out, cy.one, j, self.rec, st.log, vocab=vocab, code=FAULT_TOKEN)
             if j < self.depth - 1 and self.adaptive is not None:  # run depth j + 1?
@@ -198,27 +191,21 @@ class RoundProgram:
 
     def post(self) -> None:
         st, e, ops = self.st, self.e, self.e.ops
-        R, ar = st.rows, st.ar
-        caches = e.session.caches
-        go = 1 - st.done
-        m = st.m
-        n_d, nxt = self.nd_buf, self.nxt_buf
+        b, t = self.begin, self.target
         # target verification rows [x_m, y_1 … y_d], d = drafts run (adaptive: ≤ depth)
-        n_t = (n_d + 1) * go
-        toks = torch.cat([st.tokens[m.long()], self.d_buf])[:R]
-        logits, hidden = e.target.forward_rows(toks, _positions(m, n_t, ar), Live.on_device(n_t),
-                                               caches, e.session.flags)
-        ops.check_flags(e.session.flags, go, st.log, code=FAULT_READINESS)
-        ops.check_logits(logits, Live.on_device(n_t), st.log, code=FAULT_TARGET_LOGITS,
+        ops.target_rows(st.round_state, self.rec, b, t)
+        logits, hidden = e.target.forward_rows(t.tokens, t.pos, Live.on_device(t.n_t),
+                                               e.session.caches, e.session.flags)
+        ops.check_flags(e.session.flags, b.go, st.log, code=FAULT_READINESS)
+        ops.check_logits(logits, Live.on_device(t.n_t), st.log, code=FAULT_TARGET_LOGITS,
                          where=0)
         if self._host_stop():
             return
-        p = ops.sample(logits, st.sampling, st.seed, (m + 1 + ar).long(),
-                       Purpose.TARGET_SAMPLE, Live.on_device(n_t))
-        v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, st.seed, (m + 1).long(),
-                       Live.on_device(n_d.to(torch.int32)))
-        a = (v.n_accepted * go).to(torch.int32)  # [1]
-        self._settle(go, m, a, n_t, nxt, hidden, v)
+        p = ops.sample(logits, st.sampling, st.seed, t.sample_pos, Purpose.TARGET_SAMPLE,
+                       Live.on_device(t.n_t))
+        v = ops.verify(p, self.q_ids, self.q_probs, self.d_buf, st.seed, t.first,
+                       Live.on_device(self.nd_buf))
+        self._settle(v, hidden)
 
     def _host_stop(self) -> bool:
         """On the CPU (twins, interpreter) a recorded fault ends the round at once: the twins'
@@ -226,15 +213,16 @@ class RoundProgram:
         st = self.st
         return self._host_cpu and bool(st.fault[0] != 0)
 
-    def _settle(self, go, m, a, n_t, nxt, hidden, v) -> None:
+    def _settle(self, v, hidden) -> None:
         st, ops, caches = self.st, self.e.ops, self.e.session.caches
-        n_em = (a + 1) * go  # tokens this round emits
-        keep = m + n_em  # = m + a + 1, or m when nothing ran
-        written = m + n_t
-        ops.rollback_layers(caches.target, keep, written)
-        keep_d = torch.minimum(self.e.cfg.draft.settled_draft_next(m, n_em, ran=go), nxt)
-        ops.rollback(caches.draft, keep_d, nxt)
+        bd = self.bounds
+        ops.settle_bounds(v, st.round_state, self.target, self.begin.go, bd,
+                          recompute=self.e.cfg.draft.recompute_settled)
+        # the target caches keep positions < m + a + 1 (or m when nothing ran) of those written
+        # through m + n_t; the draft ring < min(settled_draft_next, its next position)
+        ops.rollback_layers(caches.target, bd.keep, bd.written)
+        ops.rollback(caches.draft, bd.keep_d, self.target.nxt)
         # then the next token's fault, the emitted tokens, hidden rows, log row, m, n_new,
         # round and done, all read from the state before the settlement (kernels/round_record)
-        ops.settle_round(v, keep_d, hidden, self.rec, st.round_state,
+        ops.settle_round(v, bd.keep_d, hidden, self.rec, st.round_state,
                          vocab=self.e.cfg.target.vocab_size, code=FAULT_TOKEN)

@@ -30,7 +30,14 @@ import torch
 
 from qualification.tolerances import Margin, measure, tolerance
 from reference import ops as ref_ops
-from reference.op_types import DraftRecord, FaultLog, RoundState
+from reference.op_types import (
+    DraftRecord,
+    FaultLog,
+    RoundBegin,
+    RoundState,
+    SettleBounds,
+    TargetRows,
+)
 
 
 @dataclass
@@ -328,13 +335,35 @@ class Lockstep:
         return got
 
     # --- the round's bookkeeping ---------------------------------------------------------------
-    def _same_record(self, got, want) -> None:
+    def _same_record(self, got, want, row=("kernels.round_record", "int64/fp32")) -> None:
         """Bit for bit: floats as their bits, so moved NaN / garbage padding compares equal."""
         bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}
         for g, w in zip(got, want, strict=True):
             if g.dtype in bits:
                 g, w = g.view(bits[g.dtype]), w.view(bits[w.dtype])
-            self._cmp(g, w, "kernels.round_record", "int64/fp32")
+            self._cmp(g, w, *row)
+
+    _SCALARS = ("kernels.round_scalars", "int32/int64/fp32")
+
+    def begin_round(self, s, rec, b, *, clear_from):
+        """The kernel writes the round's own b and record, the twin clones taken before."""
+        twin_rec = DraftRecord(*(t.clone() for t in rec))
+        twin_b = RoundBegin(*(t.clone() for t in b))
+        self.k.begin_round(s, rec, b, clear_from=clear_from)
+        self.t.begin_round(s, twin_rec, twin_b, clear_from=clear_from)
+        self._same_record((*b, *rec), (*twin_b, *twin_rec), self._SCALARS)
+
+    def target_rows(self, s, rec, b, t):
+        twin_t = TargetRows(*(x.clone() for x in t))
+        self.k.target_rows(s, rec, b, t)
+        self.t.target_rows(s, rec, b, twin_t)
+        self._same_record(t, twin_t, self._SCALARS)
+
+    def settle_bounds(self, v, s, t, go, out, *, recompute):
+        twin_out = SettleBounds(*(x.clone() for x in out))
+        self.k.settle_bounds(v, s, t, go, out, recompute=recompute)
+        self.t.settle_bounds(v, s, t, go, twin_out, recompute=recompute)
+        self._same_record(out, twin_out, self._SCALARS)
 
     def check_flags(self, flags, ran, log, *, code):
         twin_log = FaultLog(*(t.clone() for t in log))

@@ -531,6 +531,14 @@ _ROWS: tuple[Tolerance, ...] = (
         "a fault over an earlier one; dead rows checked; the draft not clamped; the fault's "
         "round not recorded (tests/kernels/test_round_record.py)",
     ),
+    Tolerance(
+        "kernels.round_scalars", "int32/int64/fp32", 0.0, 0.0,
+        "the round's scalars (kernels/round_scalars.py: where the depths begin, the "
+        "verification rows, the rollback bounds) are the integer adds, products and selects of "
+        "the twin's (reference.twins.round_scalars) and constant stores: no rounding",
+        "positions off by one; the last draft position not the cache's next one; the draft "
+        "rollback bound of the other settlement (tests/kernels/test_round_scalars.py)",
+    ),
     # rows of the lockstep gate (qualification/lockstep.py) for values that are moved or
     # rounded in one defined way, so exact
     Tolerance(

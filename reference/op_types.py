@@ -98,6 +98,41 @@ class DraftRecord(NamedTuple):
     n_d: torch.Tensor  # [1] int32 drafts run so far
 
 
+class RoundBegin(NamedTuple):
+    """What a round's first launch (begin_round) derives from the request state for its draft
+    depths (iquestrt/round.py); buffers the round program keeps, written every round."""
+
+    go: torch.Tensor  # [1] int32 1 − done: the round runs
+    c: torch.Tensor  # [1] int32 depth 0's catch-up rows (m − draft_next + 1)·go
+    hid_base: torch.Tensor  # [1] int32 draft_next − 1 − hidden_at: depth 0's first hidden row
+    last: torch.Tensor  # [1] int64 depth 0's last live row, max(c − 1, 0)
+    # [Db] int32 draft_next + c + j: depth j samples its draft at pos[j]; depth j ≥ 1 runs its
+    # one-row forward at pos[j − 1] (a depth that does not run leaves its entry unread)
+    pos: torch.Tensor
+    feat: torch.Tensor  # [1, 3] fp32 the control features before depth 1 (init_features)
+
+
+class TargetRows(NamedTuple):
+    """The verification forward's rows, written by target_rows after the draft depths."""
+
+    n_t: torch.Tensor  # [1] int32 verification rows (n_d + 1)·go
+    tokens: torch.Tensor  # [R] int64 x_m, then the drafts y_1 … y_{R−1} (rows ≥ n_t unread)
+    pos: torch.Tensor  # [R] int32 m + r for r < n_t, −1 for padding rows
+    sample_pos: torch.Tensor  # [R] int64 m + 1 + r: the target's draws
+    first: torch.Tensor  # [1] int64 m + 1: the first draft's position (verification)
+    # [1] int32 the draft cache's next position after the depths that ran: pos[0] + n_d − 1
+    # (begin_round's pos), or draft_next when none ran
+    nxt: torch.Tensor
+
+
+class SettleBounds(NamedTuple):
+    """The caches' rollback bounds of a verified round (settle_bounds)."""
+
+    keep: torch.Tensor  # [1] int32 m + (a + 1)·go: the target caches keep positions < keep
+    written: torch.Tensor  # [1] int32 m + n_t: the target caches were written through here
+    keep_d: torch.Tensor  # [1] int32 the draft cache's next position (settled_draft_next, capped)
+
+
 class RoundState(NamedTuple):
     """The request state and result log a round's settlement writes (iquestrt/state.py
     DeviceState, whose docstring defines each field; slot P of tokens and row L of the log are

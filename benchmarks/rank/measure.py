@@ -23,6 +23,7 @@ FAMILIES = (
     ("sampler", ("_scan_kernel", "_merge_kernel", "_exp_kernel")),
     ("verify", ("_verify",)),
     ("round_record", ("_check_flags", "_check_logits", "_record_draft", "_settle_kernel")),
+    ("round_scalars", ("_begin_kernel", "_target_rows_kernel", "_settle_bounds_kernel")),
     ("torch", ("at::", "void ", "Memcpy", "Memset", "memcpy", "memset")),
 )
 

@@ -66,9 +66,10 @@ def refusals(wrapper: type) -> list[str]:
 
 
 def test_the_table_declares_the_ops_the_model_calls():
-    assert len(OPS) == 23
+    assert len(OPS) == 26
     assert {"reset", "linear_fp8", "attn_tail", "sample", "verify", "check_logits",
-            "record_draft", "settle_round", "check_flags"} <= set(OPS)
+            "record_draft", "settle_round", "check_flags", "begin_round", "target_rows",
+            "settle_bounds"} <= set(OPS)
 
 
 @pytest.mark.parametrize("impl", [KernelOps, TwinOps], ids=lambda c: c.__name__)

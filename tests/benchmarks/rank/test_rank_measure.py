@@ -27,6 +27,8 @@ def test_every_round_kernel_has_a_family():
     assert {n: family(n) for n in names if family(n) == "other"} == {}
     assert family("_moe_tail_kernel") == "tails" and family("_moe_combine_kernel") == "moe"
     assert family("void at::native::elementwise_kernel<...>") == "torch"
+    assert family("_settle_bounds_kernel") == "round_scalars"
+    assert family("_settle_kernel") == "round_record"
     assert family("something_new") == "other"  # unknown names are not silently absorbed
 
 
