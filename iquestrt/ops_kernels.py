@@ -30,6 +30,7 @@ from kernels.fp8 import E4M3
 from kernels.launch import check_pdl
 from kernels.peer_partials import RingRead
 from kernels.router import RouteScratch
+from kernels.row_chunks import RowChunkScratch
 from reference.op_types import (
     AttnTailOut,
     DraftRecord,
@@ -66,6 +67,7 @@ class KernelOps:
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
         self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
         self.moe_scratch = k_moe.MoeScratch.create(device)  # the folded SiLU's counters
+        self.row_chunks = RowChunkScratch.create(device)  # the chunked MoE tail's counters
         # rollback_layers' device tables, one per list of caches (LayerTable.key); never
         # dropped: a captured round graph keeps reading the one it captured
         self._layer_tables: dict[tuple, k_kv.LayerTable] = {}
@@ -73,7 +75,8 @@ class KernelOps:
     def reset(self) -> None:
         """After a failure flag: restore the router and MoE scratch invariants (kernels/tails.py,
         kernels/moe.py)."""
-        for s in [*self._scratch.values(), *self._route_scratch.values(), self.moe_scratch]:
+        for s in [*self._scratch.values(), *self._route_scratch.values(), self.moe_scratch,
+                  self.row_chunks]:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
@@ -141,7 +144,7 @@ class KernelOps:
         parts, rearm, polls = self._read(parts)
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
                                 ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
-                                quantize=quantize, pdl=self.pdl,
+                                quantize=quantize, pdl=self.pdl, scratch=self.row_chunks,
                                 config=self.launches.tail_config(h.shape[-1]))
 
     def _read(self, parts):

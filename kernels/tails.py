@@ -17,7 +17,10 @@ attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll t
   dispatched first, so they are resident before any router program spins (at the real shape
   R + E/block_e = 8 + 128 programs: more than the 132 SMs, not all co-resident at once — the
   rows are); the wait is bounded too (router_max_polls → failure flag), never a hang.
-MoE tail: row programs only: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)).
+MoE tail: one program per row: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)),
+  the norm's Σx² in FP64 rounded once (order-free: kernels/row_chunks.py). With
+  TailLaunch.moe_chunk_groups a row is K column-chunk programs instead, joined by a per-row
+  arrival counter whose last arrival normalizes the row — the same bits.
 
 Row programs of padding rows (r ≥ n_live) poll row 0 instead of their own: they need the evidence
 for re-arming (kernels/readiness.py (1)), not the data. Padding rows of h, f_in, x, xn', ids,
@@ -27,7 +30,8 @@ Rounding by hand: the Triton interpreter's fp32→bf16 cast truncates, so kernel
 snaps to the bf16 grid first. rsqrt is 1/sqrt with IEEE div and sqrt (torch.rsqrt on the CPU is
 exactly that); mean = sum / H with IEEE div. FMA contraction is off (enable_fp_fusion=False) so
 xn + an·scale and h + f·scale round twice, as in torch. What remains vs the twin: the order of the
-sum of squares in each norm and of the router GEMM, and exp in the softmax.
+sum of squares in the attention tail's norms (the MoE tail's is correctly rounded) and of the
+router GEMM, and exp in the softmax.
 
 Launch configuration (warps, router blocks, the row programs' groups): kernels/tails_launch.py.
 
@@ -46,7 +50,23 @@ from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.router import RouterScratch, _router_program
-from kernels.tails_launch import TailLaunch, block_h, groups, pow2, tail_launch, topk_mode
+from kernels.row_chunks import (
+    MAX_CHUNKS,
+    MAX_ROWS,
+    RowChunkScratch,
+    arrive_last,
+    row_sum_squares,
+    sum_squares64,
+)
+from kernels.tails_launch import (
+    TailLaunch,
+    block_h,
+    groups,
+    moe_chunks,
+    pow2,
+    tail_launch,
+    topk_mode,
+)
 from kernels.timeline import check_trace, stamp, stamp_start
 from kernels.twin import twin
 from reference.op_types import AttnTailOut, MoeTailOut
@@ -67,7 +87,13 @@ def _bf16(x):
 @triton.jit
 def _inv_rms(x, eps, HIDDEN: tl.constexpr):
     """1/sqrt(sum(x²)/H + eps) of a row x [BLOCK_H] (masked columns hold 0)."""
-    ms = tl.div_rn(tl.sum(x * x, axis=0), tl.full([], HIDDEN, tl.float32))
+    return _inv_rms_ss(tl.sum(x * x, axis=0), eps, HIDDEN)
+
+
+@triton.jit
+def _inv_rms_ss(ss, eps, HIDDEN: tl.constexpr):
+    """1/sqrt(ss/H + eps) from a row's FP32 sum of squares ss."""
+    ms = tl.div_rn(ss, tl.full([], HIDDEN, tl.float32))
     return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
 
 
@@ -159,39 +185,70 @@ def _attn_tail_kernel(
 @triton.jit
 def _moe_tail_kernel(
     part_ptr, h_ptr, w_ptr, xn_ptr, x_ptr, rearm_ptr, polls_ptr, flag_ptr, n_live_ptr,
-    q_ptr, s_ptr,
+    q_ptr, s_ptr, ss_ptr, ok_ptr, arrive_ptr,
     stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_an, stride_ar, stride_qr,
-    stride_sr, eps, scale, max_polls,
+    stride_sr, stride_ss, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
+    REARM_PARTS: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (row, chunk) of a grid [R, K]; K = 1: the whole row (CHUNK = BLOCK_H) in one
+    program, else column chunks of CHUNK joined by kernels/row_chunks.py."""
     pdl_enter(PDL)
     row = tl.program_id(0)
-    stamp_start(trace_ptr, row, TRACE)
+    chunk = tl.program_id(1)
+    pid = row * K + chunk
+    stamp_start(trace_ptr, pid, TRACE)
     n = tl.load(n_live_ptr)
-    cols = tl.arange(0, BLOCK_H)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
-    stamp(trace_ptr, row, 1, TRACE)
+    stamp(trace_ptr, pid, 1, TRACE)
     m = cmask & live
     f = _bf16(acc)  # the experts' output f
     h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     x = _bf16(h + f * scale)
-    xn = _bf16(_rms(x, w, eps, HIDDEN))
+    if K == 1:
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        xn = _bf16(x * _inv_rms_ss(sum_squares64(x).to(tl.float32), eps, HIDDEN) * w)
+        _moe_tail_store(xn, x, ready, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, cols, m,
+                        stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN, WRITE_X, QUANT,
+                        GROUPS, trace_ptr, pid, TRACE)
+    elif live:
+        tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
+        if arrive_last(ss_ptr, ok_ptr, arrive_ptr, row, chunk, sum_squares64(x), ready,
+                       stride_ss, K):
+            ss, ok = row_sum_squares(ss_ptr, ok_ptr, row, stride_ss, K, KP)
+            every = tl.arange(0, BLOCK_H)
+            em = every < HIDDEN
+            xr = tl.load(x_ptr + row * stride_xr + every, mask=em, other=0.0,
+                         volatile=True).to(tl.float32)
+            w = tl.load(w_ptr + every, mask=em, other=0.0).to(tl.float32)
+            xn = _bf16(xr * _inv_rms_ss(ss, eps, HIDDEN) * w)
+            _moe_tail_store(xn, xr, ok, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, every, em,
+                            stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN, WRITE_X,
+                            QUANT, GROUPS, trace_ptr, pid, TRACE)
+    stamp(trace_ptr, pid, 3, TRACE)
+
+
+@triton.jit
+def _moe_tail_store(xn, x, ready, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, cols, m,
+                    stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN: tl.constexpr,
+                    WRITE_X: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
+                    trace_ptr, pid, TRACE: tl.constexpr):
+    """xn' and x of a whole row (NaN unless ready), then the next layer's QKV operand."""
     xn = tl.where(ready != 0, xn, float("nan"))
     tl.store(xn_ptr + row * stride_xnr + cols, xn.to(tl.bfloat16), mask=m)
     if WRITE_X:
         x = tl.where(ready != 0, x, float("nan"))
         tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
-    stamp(trace_ptr, row, 2, TRACE)
+    stamp(trace_ptr, pid, 2, TRACE)
     if QUANT:  # the next layer's QKV operand
         quantize_row(xn, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
-    stamp(trace_ptr, row, 3, TRACE)
 
 
 # --- wrappers ----------------------------------------------------------------------------------
@@ -396,14 +453,18 @@ def moe_tail(
     config: TailLaunch | None = None,
     quantize: bool = False,
     pdl: bool = False,
-    trace: torch.Tensor | None = None,  # [R, SLOTS] int64 (kernels/timeline.py)
+    trace: torch.Tensor | None = None,  # [R·K, SLOTS] int64 (kernels/timeline.py)
+    scratch: RowChunkScratch | None = None,  # with config.moe_chunk_groups; None: a fresh one
 ) -> MoeTailOut:
     """MoE tail of a layer ≥ 1; outputs as reference.twins.tails.moe_tail_ref, padding rows
     untouched. quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next
     layer's QKV operand, so that its GEMM needs no quantization launch).
     pdl: programmatic dependent launch (kernels/launch.py).
-    trace (CUDA only): per-row-program timestamps, slots 0 start, 1 partials summed, 2 xn / x
-    stored, 3 end."""
+    config.moe_chunk_groups: K column-chunk programs per row (kernels/row_chunks.py), the same
+    bits as one per row; their counters live in `scratch` (a fresh one costs a fill launch:
+    pass one that lives as long as the caller, as iquestrt/ops_kernels.py does).
+    trace (CUDA only): per-program timestamps at row·K + chunk, slots 0 start, 1 partials summed,
+    2 xn / x stored (the row's last chunk), 3 end."""
     p = partials_arg(partials)
     cfg = config or tail_launch(p.shape[-1])
     npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
@@ -422,18 +483,32 @@ def moe_tail(
     out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, out.xn)
+    chunk, k = moe_chunks(cfg, hidden)
+    if k > 1:
+        if k > MAX_CHUNKS or rows > MAX_ROWS:
+            raise ValueError(f"config.moe_chunk_groups={cfg.moe_chunk_groups}: {k} chunks of "
+                             f"{rows} rows; at most {MAX_CHUNKS} chunks and {MAX_ROWS} rows")
+        scratch = RowChunkScratch.create(dev) if scratch is None else scratch
+        for name, t, dt in (("arrive", scratch.arrive, torch.int32),
+                            ("ss", scratch.ss, torch.float64), ("ok", scratch.ok, torch.int32)):
+            want = (MAX_ROWS,) if name == "arrive" else (MAX_ROWS, MAX_CHUNKS)
+            check_tensor(f"scratch.{name}", t, shape=want, dtypes=(dt,), device=dev)
+            if not t.is_contiguous():
+                raise ValueError(f"scratch.{name}: expected a contiguous tensor")
+    sc = scratch if k > 1 else RowChunkScratch(fail_flag, out.xn, fail_flag)
     if trace is not None:
-        check_trace(trace, rows, dev)
-    _moe_tail_kernel[(rows,)](
+        check_trace(trace, rows * k, dev)
+    _moe_tail_kernel[(rows, k)](
         p.arg, h, next_norm, out.xn, x, re_ptr,
-        out.xn if polls is None else polls, fail_flag, n, q, s,
+        out.xn if polls is None else polls, fail_flag, n, q, s, sc.ss, sc.ok, sc.arrive,
         p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
-        stride_an, stride_ar, q.stride(0), s.stride(0),
+        stride_an, stride_ar, q.stride(0), s.stride(0), MAX_CHUNKS,
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,
         GROUPS=groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
-        REARM_PARTS=re_parts, trace_ptr=out.xn if trace is None else trace,
+        REARM_PARTS=re_parts, CHUNK=chunk, K=k, KP=pow2(k),
+        trace_ptr=out.xn if trace is None else trace,
         TRACE=trace is not None, num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )

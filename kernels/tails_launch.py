@@ -21,8 +21,14 @@ class TailLaunch:
     # router finish: softmax and top-k over warp-sized tiles, each row's reductions inside
     # one warp (kernels/router.py _softmax_topk_groups)
     group_finish: bool = False
+    # MoE tail: 0 = one program per row; g = programs of g 128-column groups each, joined by a
+    # per-row arrival counter (kernels/row_chunks.py); the same bits either way
+    moe_chunk_groups: int = 0
 
     def __post_init__(self) -> None:
+        g = self.moe_chunk_groups
+        if g < 0 or (g and g & (g - 1)):
+            raise ValueError(f"TailLaunch.moe_chunk_groups: 0 or a power of two, got {g}")
         if self.packed_topk and self.group_finish:
             raise ValueError("TailLaunch: packed_topk and group_finish are two ways of one "
                              "top-k; choose one")
@@ -46,6 +52,14 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
                           group_finish=True, prefetch_w=True)
     return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)), count_ready=True,
                       group_finish=True)
+
+
+def moe_chunks(cfg: TailLaunch, hidden: int) -> tuple[int, int]:
+    """(columns per MoE-tail program, programs per row) under cfg.moe_chunk_groups."""
+    if not cfg.moe_chunk_groups or 128 * cfg.moe_chunk_groups >= hidden:
+        return block_h(hidden), 1
+    chunk = 128 * cfg.moe_chunk_groups
+    return chunk, -(-hidden // chunk)
 
 
 def topk_mode(cfg: TailLaunch) -> int:

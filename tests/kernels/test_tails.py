@@ -938,13 +938,17 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "REARM_PARTS": 1, "TOPK": topk, "PREFETCH_W": prefetch,
                 "TRACE": trace, "COUNT_READY": count, "PDL": False},
             cfg.num_warps)
-    for quant, trace in ((False, False), (True, False), (True, True)):
+    chunk_ptrs = {"ss_ptr": "*fp64", "ok_ptr": i32, "arrive_ptr": i32}
+    for quant, trace, k in ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 6)):
         table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
-        stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")] = build(
-            T._moe_tail_kernel, common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"} | table, {
+        stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")
+              + ("_chunks" if k > 1 else "")] = build(
+            T._moe_tail_kernel,
+            common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"} | table | chunk_ptrs, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": False, "WRITE_X": True, "QUANT": quant, "GROUPS": 32,
-                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant, "TRACE": trace,
+                "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant,
+                "CHUNK": 4096 if k == 1 else 512, "K": k, "KP": pow2(k), "TRACE": trace,
                 "PDL": False},
             cfg.num_warps)
     return stats
@@ -971,6 +975,11 @@ def test_compiled_kernels_build_for_sm90():
     assert (stats["attn_routerTrue_unrolled"]["ld.volatile.global"]
             > stats["attn_routerTrue"]["ld.volatile.global"])
     assert stats["attn_routerFalse"]["atom.global.gpu.acq_rel"] == 0
+    # the chunked MoE tail (kernels/row_chunks.py): one acq_rel arrival per program after its
+    # stores (and a barrier); one program per row: none
+    assert stats["moe_quant_chunks"]["atom.global.gpu.acq_rel"] == 1
+    assert stats["moe_quant_chunks"]["bar.sync"] > stats["moe_quant"]["bar.sync"]
+    assert stats["moe_quant"]["atom.global.gpu.acq_rel"] == 0
     # the quantizing MoE tail divides more: each group's scale and each value by it (IEEE)
     assert stats["moe_quant"]["div.rn.f32"] > stats["moe"]["div.rn.f32"]
     # timestamps only when traced: start + 3 per row program, 3 per router program

@@ -1,0 +1,154 @@
+"""The MoE tail in column-chunk programs (TailLaunch.moe_chunk_groups, kernels/row_chunks.py):
+the same bits as one program per row — xn', x, the quantized operand, the re-armed slot, the
+failure flag and the NaN rows of a timeout — with the arrival counters back at 0 after every
+launch; bad configurations refused. Inputs and cases: tests/kernels/test_tails.py.
+
+Dimension letters: N partials, R rows, n live rows, H hidden, K chunks per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kernels.row_chunks import RowChunkScratch
+from kernels.tails import moe_tail, tail_launch
+from kernels.tails_launch import TailLaunch, moe_chunks
+from qualification.tolerances import check
+from reference.op_types import MoeTailOut
+from reference.twins.tails import moe_tail_ref
+from tests.kernels.test_tails import CASES, EPS, FFN_SCALE, POISON, REAL, Case, make_inputs, on
+
+# (case, 128-column groups per chunk): K = ⌈H / (128·g)⌉ programs per row
+CHUNKED = (
+    (CASES[5], 1),  # H 200: K 2, the second chunk mostly masked; strided, R 7
+    (CASES[6], 1),  # H 1024: K 8
+    (CASES[6], 4),  # K 2
+    (CASES[7], 1),  # H 128: K 1 (one chunk covers the row: the row program)
+    (Case("gauss-5of8-N3-1024", 3, 8, 5, 1024, grid=False), 2),  # K 4
+    (Case("bf16-8of8-N2-640", 2, 8, 8, 640, part_dtype=torch.bfloat16), 1),  # K 5
+)
+
+
+def _run(case: Case, d: dict, device, groups: int, scratch=None, rearm=None, max_polls=2):
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    r, h = case.rows, case.hidden
+    full = lambda dt: torch.full((r, h), POISON, dtype=dt, device=device)  # noqa: E731
+    out = MoeTailOut(full(torch.bfloat16), full(torch.bfloat16))
+    out.xq = torch.zeros(r, h, dtype=torch.float8_e4m3fn, device=device)
+    out.sx = torch.full((r, -(-h // 128)), POISON, device=device)
+    cfg = replace(tail_launch(h), moe_chunk_groups=groups)
+    moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+             ffn_out_scale=FFN_SCALE, max_polls=max_polls, rearm=rearm, out=out, config=cfg,
+             quantize=True, scratch=scratch)
+    return out, flag
+
+
+def _bits(out: MoeTailOut) -> dict[str, torch.Tensor]:
+    return {"xn": out.xn.cpu().view(torch.int16), "x": out.x.cpu().view(torch.int16),
+            "xq": out.xq.cpu().view(torch.uint8), "sx": out.sx.cpu().view(torch.int32)}
+
+
+def _same(a: MoeTailOut, b: MoeTailOut) -> None:
+    ba, bb = _bits(a), _bits(b)
+    for k in ba:
+        assert torch.equal(ba[k], bb[k]), k
+
+
+@pytest.mark.parametrize("case,groups", CHUNKED, ids=lambda v: getattr(v, "name", str(v)))
+def test_chunked_tail_gives_the_row_programs_bits(case, groups, device):
+    """K chunk programs per row: every output bit of the one-program-per-row launch (padding
+    rows untouched in both), within the moe_tail row of the twin, the counters back at 0; a
+    second launch on the same scratch gives the same bits again."""
+    d_cpu = make_inputs(case, 210 + groups)
+    d = on(d_cpu, device, case.strided)
+    whole, flag0 = _run(case, d, device, 0)
+    scratch = RowChunkScratch.create(device)
+    for _ in range(2):
+        got, flag = _run(case, d, device, groups, scratch)
+        assert flag.item() == flag0.item() == 0
+        _same(got, whole)
+        assert (scratch.arrive.cpu() == 0).all()
+    n = case.n_live
+    twin = moe_tail_ref(d_cpu["partials"], d_cpu["h"], d_cpu["next_norm"], d_cpu["n_live"],
+                        eps=EPS, ffn_out_scale=FFN_SCALE)
+    assert torch.equal(got.x.cpu()[:n].view(torch.int16), twin.x.view(torch.int16))
+    check(got.xn.cpu()[:n], twin.xn, "kernels.residual_norm.moe_tail", "bf16")
+    assert (got.xn.cpu()[n:].float() == POISON).all()
+    _, k = moe_chunks(replace(tail_launch(case.hidden), moe_chunk_groups=groups), case.hidden)
+    assert k == -(-case.hidden // (128 * groups)) or k == 1
+
+
+def test_timeout_of_one_chunk_fails_its_row_like_the_row_program(device):
+    """A live row whose partials stay NaN in one chunk only: the flag, the whole row NaN (xn'
+    and x), the other rows exact — as one program per row gives — and the counters at 0 (the
+    failed chunk still arrives)."""
+    case = CASES[6]  # H 1024, 6 of 8 live
+    d_cpu = make_inputs(case, 230)
+    d_cpu["partials"][1, 2, 300:310] = float("nan")  # row 2, inside chunk 2 of 8
+    d = on(d_cpu, device)
+    whole, flag0 = _run(case, d, device, 0)
+    scratch = RowChunkScratch.create(device)
+    got, flag = _run(case, d, device, 1, scratch)
+    assert flag.item() == flag0.item() == 1
+    _same(got, whole)
+    assert torch.isnan(got.xn.cpu()[2].float()).all() and torch.isnan(got.x.cpu()[2].float()).all()
+    assert torch.isfinite(got.xn.cpu()[[0, 1, 3, 4, 5]].float()).all()
+    assert (scratch.arrive.cpu() == 0).all()
+
+
+def test_chunks_rearm_the_whole_slot_row(device):
+    """With a re-arm target ([S, R, H], another slot) every column of every row is set to NaN
+    — padding rows too (kernels/readiness.py (4)) — exactly as one program per row does."""
+    case = CASES[6]
+    d = on(make_inputs(case, 240), device)
+    slots = {}
+    for groups in (0, 2):
+        rearm = torch.zeros(2, case.rows, case.hidden, device=device)
+        out, flag = _run(case, d, device, groups, RowChunkScratch.create(device), rearm=rearm)
+        assert flag.item() == 0
+        slots[groups] = (rearm.cpu(), out)
+    assert torch.isnan(slots[2][0]).all()
+    _same(slots[2][1], slots[0][1])
+
+
+def test_chunk_configuration_errors(device):
+    with pytest.raises(ValueError, match="moe_chunk_groups: 0 or a power of two"):
+        TailLaunch(moe_chunk_groups=3)
+    with pytest.raises(ValueError, match="moe_chunk_groups: 0 or a power of two"):
+        TailLaunch(moe_chunk_groups=-1)
+    case = Case("wide", 1, 2, 2, 128 * 33)
+    d = on(make_inputs(case, 250), device)
+    with pytest.raises(ValueError, match="33 chunks .* at most 32 chunks"):
+        _run(case, d, device, 1)
+    bad = RowChunkScratch.create(device)
+    bad = RowChunkScratch(bad.arrive[:8], bad.ss, bad.ok)
+    case = CASES[6]
+    d = on(make_inputs(case, 251), device)
+    with pytest.raises(ValueError, match="scratch.arrive"):
+        _run(case, d, device, 1, bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_real_shape_chunks_in_graph_replays_gpu(n_live, device):
+    """H 3072 in 6 chunks of 512 (and 24 of 128) at 1, 6, 8 live rows: the row programs' bits
+    over 20 CUDA graph replays on one scratch, counters at 0 after them."""
+    case = replace(REAL, n_live=n_live, experts=0, top_k=0)
+    d = on(make_inputs(case, 260 + n_live), device)
+    whole, _ = _run(case, d, device, 0)
+    for groups in (4, 1):
+        scratch = RowChunkScratch.create(device)
+        _run(case, d, device, groups, scratch)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got, flag = _run(case, d, device, groups, scratch)
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert flag.item() == 0
+        _same(got, whole)
+        assert (scratch.arrive.cpu() == 0).all()
