@@ -80,13 +80,16 @@ def summarize(ms: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, floa
 
 def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
     from kernels.tails import tail_launch
+    from kernels.tails_launch import moe_chunks
     from kernels.timeline import new_trace
 
     dev = torch.device("cuda")
     p = build(spec, dev)
     cfg = config or tail_launch(spec.hidden, spec.experts if spec.router else 0)
     check = check_against_twin(p, cfg)
-    programs = spec.buffer_rows + (-(-spec.experts // cfg.block_e) if spec.router else 0)
+    # the MoE tail's row programs are K column chunks each (pid = row·K + chunk)
+    k = 1 if spec.router else moe_chunks(cfg, spec.hidden)[1]
+    programs = spec.buffer_rows * k + (-(-spec.experts // cfg.block_e) if spec.router else 0)
     traces = new_trace(reps * programs, dev).view(reps, programs, SLOTS)
     copies = max(1, len(p.router_w))
     plain = [kernel_call(p, j, cfg) for j in range(copies)]
@@ -103,7 +106,7 @@ def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
         got.append(traces.cpu())
     if p.flag.item() != 0:
         raise AssertionError("failure flag set during the traced replays")
-    ms = milestones(torch.cat(got), spec.rows, spec.buffer_rows)
+    ms = milestones(torch.cat(got), spec.rows * k, spec.buffer_rows * k)
     del graph, p
     torch.cuda.empty_cache()
     return {**asdict(spec), "launch": asdict(cfg), "check": check, "graph_us": graph_us,

@@ -26,8 +26,9 @@ for this one's completion before its first load), so the next launch starts from
 
 Bits: squares of bf16 values are exact in FP64, and a sum of ≤ 2^16 of them stays exact in FP64
 while the squares span less than 2^37 in magnitude; the FP32 result is then the correctly
-rounded Σx² whatever the chunking or reduction order, so one program per row (K = 1, the same
-FP64 sum) and K programs give the same bits (tests/kernels/test_tails.py checks it).
+rounded Σx² whatever the chunking or reduction order, so every K ≥ 2 gives the same bits
+(tests/kernels/test_row_chunks.py). One program per row (K = 1) keeps its FP32 sum: there an
+FP64 reduction over the 4096-column row cost ≈ 5.8 µs more per launch on the H100.
 
 Dimension letters: R rows, K chunks per row (KP: K rounded up to a power of two).
 """

@@ -17,10 +17,12 @@ attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll t
   dispatched first, so they are resident before any router program spins (at the real shape
   R + E/block_e = 8 + 128 programs: more than the 132 SMs, not all co-resident at once — the
   rows are); the wait is bounded too (router_max_polls → failure flag), never a hang.
-MoE tail: one program per row: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)),
-  the norm's Σx² in FP64 rounded once (order-free: kernels/row_chunks.py). With
-  TailLaunch.moe_chunk_groups a row is K column-chunk programs instead, joined by a per-row
-  arrival counter whose last arrival normalizes the row — the same bits.
+MoE tail: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)). Pinned
+  (TailLaunch.moe_chunk_groups): K column-chunk programs per row joined by a per-row arrival
+  counter, the last arrival normalizing the row, its Σx² in FP64 rounded once — order-free, so
+  every K ≥ 2 gives the same bits (kernels/row_chunks.py); moe_chunk_groups = 0: one program
+  per row with an FP32 Σx² (an FP64 sum over a whole 4096-column row cost ≈ 5.8 µs more per
+  launch on the H100, reports/benchmarks/h100-2026-12-06c/).
 
 Row programs of padding rows (r ≥ n_live) poll row 0 instead of their own: they need the evidence
 for re-arming (kernels/readiness.py (1)), not the data. Padding rows of h, f_in, x, xn', ids,
@@ -30,8 +32,8 @@ Rounding by hand: the Triton interpreter's fp32→bf16 cast truncates, so kernel
 snaps to the bf16 grid first. rsqrt is 1/sqrt with IEEE div and sqrt (torch.rsqrt on the CPU is
 exactly that); mean = sum / H with IEEE div. FMA contraction is off (enable_fp_fusion=False) so
 xn + an·scale and h + f·scale round twice, as in torch. What remains vs the twin: the order of the
-sum of squares in the attention tail's norms (the MoE tail's is correctly rounded) and of the
-router GEMM, and exp in the softmax.
+sum of squares in each norm (the chunked MoE tail's is correctly rounded) and of the router
+GEMM, and exp in the softmax.
 
 Launch configuration (warps, router blocks, the row programs' groups): kernels/tails_launch.py.
 
@@ -214,7 +216,7 @@ def _moe_tail_kernel(
     x = _bf16(h + f * scale)
     if K == 1:
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        xn = _bf16(x * _inv_rms_ss(sum_squares64(x).to(tl.float32), eps, HIDDEN) * w)
+        xn = _bf16(_rms(x, w, eps, HIDDEN))
         _moe_tail_store(xn, x, ready, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, cols, m,
                         stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN, WRITE_X, QUANT,
                         GROUPS, trace_ptr, pid, TRACE)

@@ -46,12 +46,15 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
     prefetch too; block_e 4 (17.49) and block_k 512 (17.16) lose. In the rank round
     (`benchmarks.rank --launch tails.count_ready=1,tails.group_finish=1`, alternating) the
     counter and group finish are 2.2–3.0 % faster rounds in 4 of 4 pairs (widths 6 / 8 × 1K /
-    4K)."""
+    4K).
+    The MoE tail in chunks of 2 groups (256 columns: 12 programs per row at H = 3072): on the
+    H100 the round was 5.8–6.8 % faster than with one program per row and an FP64 Σx², against
+    chunks of 4 (5.6–6.3 %) and 8 (4.3–5.3 %); reports/benchmarks/h100-2026-12-06c/."""
     if experts >= 64:
         return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)), count_ready=True,
-                          group_finish=True, prefetch_w=True)
+                          group_finish=True, prefetch_w=True, moe_chunk_groups=2)
     return TailLaunch(block_e=8, block_k=min(128, pow2(hidden)), count_ready=True,
-                      group_finish=True)
+                      group_finish=True, moe_chunk_groups=2)
 
 
 def moe_chunks(cfg: TailLaunch, hidden: int) -> tuple[int, int]:

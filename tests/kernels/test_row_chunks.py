@@ -1,7 +1,9 @@
 """The MoE tail in column-chunk programs (TailLaunch.moe_chunk_groups, kernels/row_chunks.py):
-the same bits as one program per row — xn', x, the quantized operand, the re-armed slot, the
-failure flag and the NaN rows of a timeout — with the arrival counters back at 0 after every
-launch; bad configurations refused. Inputs and cases: tests/kernels/test_tails.py.
+every chunk size K ≥ 2 gives the same bits (the FP64 Σx²) — xn', x, the quantized operand, the
+re-armed slot, the failure flag and the NaN rows of a timeout; against one program per row
+(FP32 Σx²) x is exact and xn' within the moe_tail row, as against the twin; the arrival counters
+are back at 0 after every launch; bad configurations are refused. Inputs and cases:
+tests/kernels/test_tails.py.
 
 Dimension letters: N partials, R rows, n live rows, H hidden, K chunks per row.
 """
@@ -19,16 +21,25 @@ from kernels.tails_launch import TailLaunch, moe_chunks
 from qualification.tolerances import check
 from reference.op_types import MoeTailOut
 from reference.twins.tails import moe_tail_ref
-from tests.kernels.test_tails import CASES, EPS, FFN_SCALE, POISON, REAL, Case, make_inputs, on
+from tests.kernels.test_tails import (
+    CASES,
+    EPS,
+    FFN_SCALE,
+    POISON,
+    REAL,
+    Case,
+    assert_quantized,
+    make_inputs,
+    on,
+    poisoned_quant,
+)
 
-# (case, 128-column groups per chunk): K = ⌈H / (128·g)⌉ programs per row
+# (case, 128-column groups per chunk of each launch compared): K = ⌈H / (128·g)⌉ per row
 CHUNKED = (
-    (CASES[5], 1),  # H 200: K 2, the second chunk mostly masked; strided, R 7
-    (CASES[6], 1),  # H 1024: K 8
-    (CASES[6], 4),  # K 2
-    (CASES[7], 1),  # H 128: K 1 (one chunk covers the row: the row program)
-    (Case("gauss-5of8-N3-1024", 3, 8, 5, 1024, grid=False), 2),  # K 4
-    (Case("bf16-8of8-N2-640", 2, 8, 8, 640, part_dtype=torch.bfloat16), 1),  # K 5
+    (CASES[5], (1,)),  # H 200: K 2, the second chunk mostly masked; strided, R 7
+    (CASES[6], (1, 4)),  # H 1024: K 8 and 2
+    (Case("gauss-5of8-N3-1024", 3, 8, 5, 1024, grid=False), (2, 1, 4)),  # K 4, 8, 2
+    (Case("bf16-8of8-N2-640", 2, 8, 8, 640, part_dtype=torch.bfloat16), (1, 2)),  # K 5, 3
 )
 
 
@@ -37,8 +48,7 @@ def _run(case: Case, d: dict, device, groups: int, scratch=None, rearm=None, max
     r, h = case.rows, case.hidden
     full = lambda dt: torch.full((r, h), POISON, dtype=dt, device=device)  # noqa: E731
     out = MoeTailOut(full(torch.bfloat16), full(torch.bfloat16))
-    out.xq = torch.zeros(r, h, dtype=torch.float8_e4m3fn, device=device)
-    out.sx = torch.full((r, -(-h // 128)), POISON, device=device)
+    out.xq, out.sx = poisoned_quant(r, h, device)
     cfg = replace(tail_launch(h), moe_chunk_groups=groups)
     moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
              ffn_out_scale=FFN_SCALE, max_polls=max_polls, rearm=rearm, out=out, config=cfg,
@@ -57,61 +67,73 @@ def _same(a: MoeTailOut, b: MoeTailOut) -> None:
         assert torch.equal(ba[k], bb[k]), k
 
 
-@pytest.mark.parametrize("case,groups", CHUNKED, ids=lambda v: getattr(v, "name", str(v)))
-def test_chunked_tail_gives_the_row_programs_bits(case, groups, device):
-    """K chunk programs per row: every output bit of the one-program-per-row launch (padding
-    rows untouched in both), within the moe_tail row of the twin, the counters back at 0; a
-    second launch on the same scratch gives the same bits again."""
-    d_cpu = make_inputs(case, 210 + groups)
+@pytest.mark.parametrize("case,sizes", CHUNKED, ids=lambda v: getattr(v, "name", str(v)))
+def test_chunk_sizes_give_the_same_bits(case, sizes, device):
+    """Every chunk size: the same output bits (padding rows untouched), x exactly the twin's,
+    xn' within the moe_tail row of the twin and of one program per row, the quantized operand
+    exactly quantize_act(xn'); the counters back at 0; a second launch on the same scratch
+    gives the same bits again."""
+    d_cpu = make_inputs(case, 210 + len(sizes))
     d = on(d_cpu, device, case.strided)
-    whole, flag0 = _run(case, d, device, 0)
-    scratch = RowChunkScratch.create(device)
-    for _ in range(2):
-        got, flag = _run(case, d, device, groups, scratch)
-        assert flag.item() == flag0.item() == 0
-        _same(got, whole)
-        assert (scratch.arrive.cpu() == 0).all()
     n = case.n_live
     twin = moe_tail_ref(d_cpu["partials"], d_cpu["h"], d_cpu["next_norm"], d_cpu["n_live"],
                         eps=EPS, ffn_out_scale=FFN_SCALE)
+    whole, flag0 = _run(case, d, device, 0)
+    assert flag0.item() == 0
+    scratch = RowChunkScratch.create(device)
+    first = None
+    for groups in sizes:
+        cfg = replace(tail_launch(case.hidden), moe_chunk_groups=groups)
+        assert moe_chunks(cfg, case.hidden)[1] == -(-case.hidden // (128 * groups)) >= 2
+        for _ in range(2):
+            got, flag = _run(case, d, device, groups, scratch)
+            assert flag.item() == 0
+            assert (scratch.arrive.cpu() == 0).all()
+            first = first or got
+            _same(got, first)
     assert torch.equal(got.x.cpu()[:n].view(torch.int16), twin.x.view(torch.int16))
+    assert torch.equal(got.x.cpu().view(torch.int16), whole.x.cpu().view(torch.int16))
     check(got.xn.cpu()[:n], twin.xn, "kernels.residual_norm.moe_tail", "bf16")
+    check(got.xn.cpu()[:n], whole.xn.cpu()[:n], "kernels.residual_norm.moe_tail", "bf16")
     assert (got.xn.cpu()[n:].float() == POISON).all()
-    _, k = moe_chunks(replace(tail_launch(case.hidden), moe_chunk_groups=groups), case.hidden)
-    assert k == -(-case.hidden // (128 * groups)) or k == 1
+    assert_quantized(got.xq, got.sx, got.xn, n, "chunked xq")
 
 
 def test_timeout_of_one_chunk_fails_its_row_like_the_row_program(device):
     """A live row whose partials stay NaN in one chunk only: the flag, the whole row NaN (xn'
-    and x), the other rows exact — as one program per row gives — and the counters at 0 (the
-    failed chunk still arrives)."""
+    and x) as one program per row gives, the other rows as without the fault, the same bits
+    for two chunk sizes, and the counters at 0 (the failed chunk still arrives)."""
     case = CASES[6]  # H 1024, 6 of 8 live
     d_cpu = make_inputs(case, 230)
     d_cpu["partials"][1, 2, 300:310] = float("nan")  # row 2, inside chunk 2 of 8
     d = on(d_cpu, device)
     whole, flag0 = _run(case, d, device, 0)
+    clean, _ = _run(case, on(make_inputs(case, 230), device), device, 2)
     scratch = RowChunkScratch.create(device)
     got, flag = _run(case, d, device, 1, scratch)
-    assert flag.item() == flag0.item() == 1
-    _same(got, whole)
-    assert torch.isnan(got.xn.cpu()[2].float()).all() and torch.isnan(got.x.cpu()[2].float()).all()
-    assert torch.isfinite(got.xn.cpu()[[0, 1, 3, 4, 5]].float()).all()
+    other, flag2 = _run(case, d, device, 2, scratch)
+    assert flag.item() == flag2.item() == flag0.item() == 1
+    _same(got, other)
+    for t in (got, whole):
+        assert torch.isnan(t.xn.cpu()[2].float()).all() and torch.isnan(t.x.cpu()[2].float()).all()
+    ok = [0, 1, 3, 4, 5]
+    assert torch.equal(got.xn.cpu()[ok].view(torch.int16), clean.xn.cpu()[ok].view(torch.int16))
     assert (scratch.arrive.cpu() == 0).all()
 
 
 def test_chunks_rearm_the_whole_slot_row(device):
     """With a re-arm target ([S, R, H], another slot) every column of every row is set to NaN
-    — padding rows too (kernels/readiness.py (4)) — exactly as one program per row does."""
+    — padding rows too (kernels/readiness.py (4)) — whatever the chunk size."""
     case = CASES[6]
     d = on(make_inputs(case, 240), device)
     slots = {}
-    for groups in (0, 2):
+    for groups in (1, 2):
         rearm = torch.zeros(2, case.rows, case.hidden, device=device)
         out, flag = _run(case, d, device, groups, RowChunkScratch.create(device), rearm=rearm)
         assert flag.item() == 0
         slots[groups] = (rearm.cpu(), out)
-    assert torch.isnan(slots[2][0]).all()
-    _same(slots[2][1], slots[0][1])
+    assert torch.isnan(slots[1][0]).all() and torch.isnan(slots[2][0]).all()
+    _same(slots[2][1], slots[1][1])
 
 
 def test_chunk_configuration_errors(device):
@@ -134,12 +156,14 @@ def test_chunk_configuration_errors(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_live", [1, 6, 8])
 def test_real_shape_chunks_in_graph_replays_gpu(n_live, device):
-    """H 3072 in 6 chunks of 512 (and 24 of 128) at 1, 6, 8 live rows: the row programs' bits
-    over 20 CUDA graph replays on one scratch, counters at 0 after them."""
+    """H 3072 in 12 chunks of 256 (the pin), 6 of 512 and 24 of 128 at 1, 6, 8 live rows: one
+    set of bits over 20 CUDA graph replays each on one scratch, counters at 0 after them; xn'
+    within the moe_tail row of one program per row."""
     case = replace(REAL, n_live=n_live, experts=0, top_k=0)
     d = on(make_inputs(case, 260 + n_live), device)
     whole, _ = _run(case, d, device, 0)
-    for groups in (4, 1):
+    first = None
+    for groups in (2, 4, 1):
         scratch = RowChunkScratch.create(device)
         _run(case, d, device, groups, scratch)  # compile outside the capture
         torch.cuda.synchronize()
@@ -150,5 +174,8 @@ def test_real_shape_chunks_in_graph_replays_gpu(n_live, device):
             graph.replay()
         torch.cuda.synchronize()
         assert flag.item() == 0
-        _same(got, whole)
+        first = first or got
+        _same(got, first)
         assert (scratch.arrive.cpu() == 0).all()
+    check(first.xn.cpu()[:n_live], whole.xn.cpu()[:n_live], "kernels.residual_norm.moe_tail",
+          "bf16")
