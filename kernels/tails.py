@@ -18,11 +18,9 @@ attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll t
   R + E/block_e = 8 + 128 programs: more than the 132 SMs, not all co-resident at once — the
   rows are); the wait is bounded too (router_max_polls → failure flag), never a hang.
 MoE tail: f = bf16(Σ), x = bf16(h + f·ffn_out_scale), xn' = bf16(rms_norm(x)). Pinned
-  (TailLaunch.moe_chunk_groups): K column-chunk programs per row joined by a per-row arrival
-  counter, the last arrival normalizing the row, its Σx² in FP64 rounded once — order-free, so
-  every K ≥ 2 gives the same bits (kernels/row_chunks.py); moe_chunk_groups = 0: one program
-  per row with an FP32 Σx² (an FP64 sum over a whole 4096-column row cost ≈ 5.8 µs more per
-  launch on the H100, reports/benchmarks/h100-2026-12-06c/).
+  (TailLaunch.moe_chunk_groups): K column-chunk programs per row sum the partials, and the
+  row's last arrival on a per-row counter runs the row on their staged f — the bits of one
+  program per row for every K (kernels/row_chunks.py).
 
 Row programs of padding rows (r ≥ n_live) poll row 0 instead of their own: they need the evidence
 for re-arming (kernels/readiness.py (1)), not the data. Padding rows of h, f_in, x, xn', ids,
@@ -32,8 +30,7 @@ Rounding by hand: the Triton interpreter's fp32→bf16 cast truncates, so kernel
 snaps to the bf16 grid first. rsqrt is 1/sqrt with IEEE div and sqrt (torch.rsqrt on the CPU is
 exactly that); mean = sum / H with IEEE div. FMA contraction is off (enable_fp_fusion=False) so
 xn + an·scale and h + f·scale round twice, as in torch. What remains vs the twin: the order of the
-sum of squares in each norm (the chunked MoE tail's is correctly rounded) and of the router
-GEMM, and exp in the softmax.
+sum of squares in each norm and of the router GEMM, and exp in the softmax.
 
 Launch configuration (warps, router blocks, the row programs' groups): kernels/tails_launch.py.
 
@@ -52,14 +49,7 @@ from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.router import RouterScratch, _router_program
-from kernels.row_chunks import (
-    MAX_CHUNKS,
-    MAX_ROWS,
-    RowChunkScratch,
-    arrive_last,
-    row_sum_squares,
-    sum_squares64,
-)
+from kernels.row_chunks import MAX_CHUNKS, MAX_ROWS, RowChunkScratch, arrive_last, row_ready
 from kernels.tails_launch import (
     TailLaunch,
     block_h,
@@ -89,13 +79,7 @@ def _bf16(x):
 @triton.jit
 def _inv_rms(x, eps, HIDDEN: tl.constexpr):
     """1/sqrt(sum(x²)/H + eps) of a row x [BLOCK_H] (masked columns hold 0)."""
-    return _inv_rms_ss(tl.sum(x * x, axis=0), eps, HIDDEN)
-
-
-@triton.jit
-def _inv_rms_ss(ss, eps, HIDDEN: tl.constexpr):
-    """1/sqrt(ss/H + eps) from a row's FP32 sum of squares ss."""
-    ms = tl.div_rn(ss, tl.full([], HIDDEN, tl.float32))
+    ms = tl.div_rn(tl.sum(x * x, axis=0), tl.full([], HIDDEN, tl.float32))
     return tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(ms + eps))
 
 
@@ -187,17 +171,18 @@ def _attn_tail_kernel(
 @triton.jit
 def _moe_tail_kernel(
     part_ptr, h_ptr, w_ptr, xn_ptr, x_ptr, rearm_ptr, polls_ptr, flag_ptr, n_live_ptr,
-    q_ptr, s_ptr, ss_ptr, ok_ptr, arrive_ptr,
+    q_ptr, s_ptr, ok_ptr, arrive_ptr,
     stride_pn, stride_pr, stride_hr, stride_xnr, stride_xr, stride_an, stride_ar, stride_qr,
-    stride_sr, stride_ss, eps, scale, max_polls,
+    stride_sr, stride_ok, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
     REARM_PARTS: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row, chunk) of a grid [R, K]; K = 1: the whole row (CHUNK = BLOCK_H) in one
-    program, else column chunks of CHUNK joined by kernels/row_chunks.py."""
+    """Program (row, chunk) of a grid [R, K]. K = 1: the whole row (CHUNK = BLOCK_H). K > 1:
+    each chunk stages f = bf16(Σ) of its columns in x's buffer, and the row's last arrival runs
+    the row on the staged f (kernels/row_chunks.py)."""
     pdl_enter(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -210,39 +195,35 @@ def _moe_tail_kernel(
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
     stamp(trace_ptr, pid, 1, TRACE)
-    m = cmask & live
-    f = _bf16(acc)  # the experts' output f
-    h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
-    x = _bf16(h + f * scale)
     if K == 1:
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        xn = _bf16(_rms(x, w, eps, HIDDEN))
-        _moe_tail_store(xn, x, ready, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, cols, m,
-                        stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN, WRITE_X, QUANT,
-                        GROUPS, trace_ptr, pid, TRACE)
+        _moe_tail_row(_bf16(acc), ready, live, h_ptr, w_ptr, xn_ptr, x_ptr, q_ptr, s_ptr, row,
+                      cols, cmask & live, stride_hr, stride_xnr, stride_xr, stride_qr, stride_sr,
+                      eps, scale, HIDDEN, WRITE_X, QUANT, GROUPS, trace_ptr, pid, TRACE)
     elif live:
-        tl.store(x_ptr + row * stride_xr + cols, x.to(tl.bfloat16), mask=m)
-        if arrive_last(ss_ptr, ok_ptr, arrive_ptr, row, chunk, sum_squares64(x), ready,
-                       stride_ss, K):
-            ss, ok = row_sum_squares(ss_ptr, ok_ptr, row, stride_ss, K, KP)
+        tl.store(x_ptr + row * stride_xr + cols, _bf16(acc).to(tl.bfloat16), mask=cmask)
+        if arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K):
             every = tl.arange(0, BLOCK_H)
             em = every < HIDDEN
-            xr = tl.load(x_ptr + row * stride_xr + every, mask=em, other=0.0,
-                         volatile=True).to(tl.float32)
-            w = tl.load(w_ptr + every, mask=em, other=0.0).to(tl.float32)
-            xn = _bf16(xr * _inv_rms_ss(ss, eps, HIDDEN) * w)
-            _moe_tail_store(xn, xr, ok, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, every, em,
-                            stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN, WRITE_X,
-                            QUANT, GROUPS, trace_ptr, pid, TRACE)
+            f = tl.load(x_ptr + row * stride_xr + every, mask=em, other=0.0,
+                        volatile=True).to(tl.float32)
+            _moe_tail_row(f, row_ready(ok_ptr, row, stride_ok, K, KP), live, h_ptr, w_ptr,
+                          xn_ptr, x_ptr, q_ptr, s_ptr, row, every, em, stride_hr, stride_xnr,
+                          stride_xr, stride_qr, stride_sr, eps, scale, HIDDEN, WRITE_X, QUANT,
+                          GROUPS, trace_ptr, pid, TRACE)
     stamp(trace_ptr, pid, 3, TRACE)
 
 
 @triton.jit
-def _moe_tail_store(xn, x, ready, xn_ptr, x_ptr, q_ptr, s_ptr, row, live, cols, m,
-                    stride_xnr, stride_xr, stride_qr, stride_sr, HIDDEN: tl.constexpr,
-                    WRITE_X: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
-                    trace_ptr, pid, TRACE: tl.constexpr):
-    """xn' and x of a whole row (NaN unless ready), then the next layer's QKV operand."""
+def _moe_tail_row(f, ready, live, h_ptr, w_ptr, xn_ptr, x_ptr, q_ptr, s_ptr, row, cols, m,
+                  stride_hr, stride_xnr, stride_xr, stride_qr, stride_sr, eps, scale,
+                  HIDDEN: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
+                  GROUPS: tl.constexpr, trace_ptr, pid, TRACE: tl.constexpr):
+    """A whole row from the experts' output f [BLOCK_H] (bf16 values): x, xn' (NaN unless
+    ready), then the next layer's QKV operand."""
+    h = tl.load(h_ptr + row * stride_hr + cols, mask=m, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    x = _bf16(h + f * scale)
+    xn = _bf16(_rms(x, w, eps, HIDDEN))
     xn = tl.where(ready != 0, xn, float("nan"))
     tl.store(xn_ptr + row * stride_xnr + cols, xn.to(tl.bfloat16), mask=m)
     if WRITE_X:
@@ -491,20 +472,20 @@ def moe_tail(
             raise ValueError(f"config.moe_chunk_groups={cfg.moe_chunk_groups}: {k} chunks of "
                              f"{rows} rows; at most {MAX_CHUNKS} chunks and {MAX_ROWS} rows")
         scratch = RowChunkScratch.create(dev) if scratch is None else scratch
-        for name, t, dt in (("arrive", scratch.arrive, torch.int32),
-                            ("ss", scratch.ss, torch.float64), ("ok", scratch.ok, torch.int32)):
-            want = (MAX_ROWS,) if name == "arrive" else (MAX_ROWS, MAX_CHUNKS)
-            check_tensor(f"scratch.{name}", t, shape=want, dtypes=(dt,), device=dev)
-            if not t.is_contiguous():
-                raise ValueError(f"scratch.{name}: expected a contiguous tensor")
-    sc = scratch if k > 1 else RowChunkScratch(fail_flag, out.xn, fail_flag)
+        check_tensor("scratch.arrive", scratch.arrive, shape=(MAX_ROWS,), dtypes=(torch.int32,),
+                     device=dev)
+        check_tensor("scratch.ok", scratch.ok, shape=(MAX_ROWS, MAX_CHUNKS),
+                     dtypes=(torch.int32,), device=dev)
+        if not (scratch.arrive.is_contiguous() and scratch.ok.is_contiguous()):
+            raise ValueError("scratch: arrive and ok must be contiguous")
+    sc = scratch if k > 1 else RowChunkScratch(fail_flag, fail_flag)
     if trace is not None:
         check_trace(trace, rows * k, dev)
     _moe_tail_kernel[(rows, k)](
         p.arg, h, next_norm, out.xn, x, re_ptr,
-        out.xn if polls is None else polls, fail_flag, n, q, s, sc.ss, sc.ok, sc.arrive,
+        out.xn if polls is None else polls, fail_flag, n, q, s, sc.ok, sc.arrive,
         p.stride_n, p.stride_r, h.stride(0), out.xn.stride(0), x.stride(0),
-        stride_an, stride_ar, q.stride(0), s.stride(0), MAX_CHUNKS,
+        stride_an, stride_ar, q.stride(0), s.stride(0), sc.ok.stride(0),
         eps, ffn_out_scale, max_polls,
         HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, WRITE_X=out.x is not None, QUANT=quantize,

@@ -938,7 +938,7 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "REARM_PARTS": 1, "TOPK": topk, "PREFETCH_W": prefetch,
                 "TRACE": trace, "COUNT_READY": count, "PDL": False},
             cfg.num_warps)
-    chunk_ptrs = {"ss_ptr": "*fp64", "ok_ptr": i32, "arrive_ptr": i32}
+    chunk_ptrs = {"ok_ptr": i32, "arrive_ptr": i32}
     for quant, trace, k in ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 6)):
         table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
         stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")
