@@ -80,15 +80,16 @@ def summarize(ms: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, floa
 
 def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
     from kernels.tails import tail_launch
-    from kernels.tails_launch import moe_chunks
+    from kernels.tails_launch import row_chunks
     from kernels.timeline import new_trace
 
     dev = torch.device("cuda")
     p = build(spec, dev)
     cfg = config or tail_launch(spec.hidden, spec.experts if spec.router else 0)
     check = check_against_twin(p, cfg)
-    # the MoE tail's row programs are K column chunks each (pid = row·K + chunk)
-    k = 1 if spec.router else moe_chunks(cfg, spec.hidden)[1]
+    # row programs are K column chunks each (pid = row·K + chunk)
+    groups = cfg.attn_chunk_groups if spec.router else cfg.moe_chunk_groups
+    k = row_chunks(groups, spec.hidden)[1]
     programs = spec.buffer_rows * k + (-(-spec.experts // cfg.block_e) if spec.router else 0)
     traces = new_trace(reps * programs, dev).view(reps, programs, SLOTS)
     copies = max(1, len(p.router_w))

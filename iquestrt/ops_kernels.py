@@ -67,7 +67,7 @@ class KernelOps:
         self._scratch: dict[tuple[int, int], k_tails.RouterScratch] = {}
         self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
         self.moe_scratch = k_moe.MoeScratch.create(device)  # the folded SiLU's counters
-        self.row_chunks = RowChunkScratch.create(device)  # the chunked MoE tail's counters
+        self.row_chunks = RowChunkScratch.create(device)  # the chunked tails' counters
         # rollback_layers' device tables, one per list of caches (LayerTable.key); never
         # dropped: a captured round graph keeps reading the one it captured
         self._layer_tables: dict[tuple, k_kv.LayerTable] = {}
@@ -135,6 +135,7 @@ class KernelOps:
         return k_tails.attn_tail(parts, xn, attn_out_norm, ffn_norm, live.t, flag, eps=eps,
                                  attn_out_scale=attn_out_scale, max_polls=polls, rearm=rearm,
                                  router_w=router_w, top_k=top_k, scratch=scratch,
+                                 chunk_scratch=self.row_chunks,
                                  quantize=quantize, pdl=self.pdl,
                                  config=self.launches.tail_config(
                                      xn.shape[-1], 0 if router_w is None else router_w.shape[0]))
@@ -144,7 +145,7 @@ class KernelOps:
         parts, rearm, polls = self._read(parts)
         return k_tails.moe_tail(parts, h, next_norm, live.t, flag, eps=eps,
                                 ffn_out_scale=ffn_out_scale, max_polls=polls, rearm=rearm,
-                                quantize=quantize, pdl=self.pdl, scratch=self.row_chunks,
+                                quantize=quantize, pdl=self.pdl, chunk_scratch=self.row_chunks,
                                 config=self.launches.tail_config(h.shape[-1]))
 
     def _read(self, parts):

@@ -54,8 +54,8 @@ from kernels.tails_launch import (
     TailLaunch,
     block_h,
     groups,
-    moe_chunks,
     pow2,
+    row_chunks,
     tail_launch,
     topk_mode,
 )
@@ -92,22 +92,54 @@ def _rms(x, w, eps, HIDDEN: tl.constexpr):
 @triton.jit
 def _attn_row_program(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr, rin_ptr,
-    q_ptr, s_ptr, ready_ptr,
+    q_ptr, s_ptr, ready_ptr, ok_ptr, arrive_ptr,
     stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an, stride_ar, stride_qr,
-    stride_sr, row, n, eps, scale, max_polls,
+    stride_sr, stride_ok, row, chunk, pid, n, eps, scale, max_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
-    REARM_PARTS: tl.constexpr, trace_ptr, TRACE: tl.constexpr, COUNT_READY: tl.constexpr,
+    REARM_PARTS: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, COUNT_READY: tl.constexpr,
 ):
-    cols = tl.arange(0, BLOCK_H)
+    """Row-chunk program (row, chunk). K = 1: the whole row (CHUNK = BLOCK_H). K > 1: each
+    chunk stages a = bf16(Σ) of its columns in h's buffer, and the row's last arrival runs the
+    row on the staged a (kernels/row_chunks.py); a padding row's chunk 0 raises the ready
+    counter that its row program would."""
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
     cmask = cols < HIDDEN
     acc, ready, live = ready_row(part_ptr, stride_pn, stride_pr, rearm_ptr, stride_an, stride_ar,
                                  polls_ptr, flag_ptr, row, n, cols, cmask, max_polls,
                                  NPART, REARM, WRITE_POLLS, TABLE, PART_BF16, REARM_PARTS)
-    stamp(trace_ptr, row, 1, TRACE)
-    m = cmask & live
-    a = _bf16(acc)  # the o_proj output a
+    stamp(trace_ptr, pid, 1, TRACE)
+    if K == 1:
+        _attn_row(_bf16(acc), ready, live, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rin_ptr,
+                  q_ptr, s_ptr, ready_ptr, stride_xr, stride_hr, stride_fr, stride_qr, stride_sr,
+                  row, cols, cmask & live, eps, scale, HIDDEN, ROUTER, QUANT, GROUPS,
+                  trace_ptr, pid, TRACE, COUNT_READY)
+    elif live:
+        tl.store(h_ptr + row * stride_hr + cols, _bf16(acc).to(tl.bfloat16), mask=cmask)
+        if arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K):
+            every = tl.arange(0, BLOCK_H)
+            em = every < HIDDEN
+            a = tl.load(h_ptr + row * stride_hr + every, mask=em, other=0.0,
+                        volatile=True).to(tl.float32)
+            _attn_row(a, row_ready(ok_ptr, row, stride_ok, K, KP), live, xn_ptr, w_aon_ptr,
+                      w_ffn_ptr, h_ptr, f_ptr, rin_ptr, q_ptr, s_ptr, ready_ptr, stride_xr,
+                      stride_hr, stride_fr, stride_qr, stride_sr, row, every, em, eps, scale,
+                      HIDDEN, ROUTER, QUANT, GROUPS, trace_ptr, pid, TRACE, COUNT_READY)
+    elif ROUTER and COUNT_READY and chunk == 0:
+        tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
+    stamp(trace_ptr, pid, 3, TRACE)
+
+
+@triton.jit
+def _attn_row(a, ready, live, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rin_ptr, q_ptr, s_ptr,
+              ready_ptr, stride_xr, stride_hr, stride_fr, stride_qr, stride_sr, row, cols, m,
+              eps, scale, HIDDEN: tl.constexpr, ROUTER: tl.constexpr, QUANT: tl.constexpr,
+              GROUPS: tl.constexpr, trace_ptr, pid, TRACE: tl.constexpr,
+              COUNT_READY: tl.constexpr):
+    """A whole row from the o_proj output a [BLOCK_H] (bf16 values): h, f_in (NaN unless
+    ready), the router input and the ready counter, then the experts' gate/up operand."""
     w_aon = tl.load(w_aon_ptr + cols, mask=m, other=0.0).to(tl.float32)
     w_ffn = tl.load(w_ffn_ptr + cols, mask=m, other=0.0).to(tl.float32)
     an = _bf16(_rms(a, w_aon, eps, HIDDEN))
@@ -123,21 +155,21 @@ def _attn_row_program(
         # un-rounded FP32 router input; +inf on failure so router programs do not wait for it
         r_in = tl.where(ready != 0, _rms(h32, w_ffn, eps, HIDDEN), float("inf"))
         tl.store(rin_ptr + row * HIDDEN + cols, r_in, mask=m)
-        if COUNT_READY:  # every row program counts, padding rows too (nothing to store)
+        if COUNT_READY:  # every row counts, padding rows too (nothing to store)
             tl.debug_barrier()  # release: every thread's r_in stored before the counter moves
             tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
-    stamp(trace_ptr, row, 2, TRACE)
+    stamp(trace_ptr, pid, 2, TRACE)
     if QUANT:  # the experts' gate/up operand, after r_in: the router programs wait for r_in only
         quantize_row(f, q_ptr, s_ptr, row, live, HIDDEN, stride_qr, stride_sr, GROUPS)
-    stamp(trace_ptr, row, 3, TRACE)
 
 
 @triton.jit
 def _attn_tail_kernel(
     part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr, polls_ptr, flag_ptr,
     n_live_ptr, rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, q_ptr, s_ptr,
+    ok_ptr, arrive_ptr,
     stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an, stride_ar,
-    stride_ir, stride_ik, stride_wr, stride_wk, stride_qr, stride_sr,
+    stride_ir, stride_ik, stride_wr, stride_wk, stride_qr, stride_sr, stride_ok,
     ROWS, eps, scale, max_polls, router_polls,
     HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NPART: tl.constexpr, REARM: tl.constexpr,
     WRITE_POLLS: tl.constexpr, ROUTER: tl.constexpr, EXPERTS: tl.constexpr,
@@ -145,24 +177,29 @@ def _attn_tail_kernel(
     ROUTE_ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     UNROLL_K: tl.constexpr, QUANT: tl.constexpr, GROUPS: tl.constexpr,
     TABLE: tl.constexpr, PART_BF16: tl.constexpr, REARM_PARTS: tl.constexpr,
+    CHUNK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
     TOPK: tl.constexpr, PREFETCH_W: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
     ready_ptr, COUNT_READY: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Programs 0 … ROWS·K − 1: row chunks (row = pid // K); the rest: router programs."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     stamp_start(trace_ptr, pid, TRACE)
     n = tl.load(n_live_ptr)
-    if pid < ROWS:
+    if pid < ROWS * K:
         _attn_row_program(part_ptr, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rearm_ptr,
-                          polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr, ready_ptr,
-                          stride_pn, stride_pr, stride_xr, stride_hr, stride_fr, stride_an,
-                          stride_ar, stride_qr, stride_sr, pid, n, eps, scale, max_polls,
+                          polls_ptr, flag_ptr, rin_ptr, q_ptr, s_ptr, ready_ptr, ok_ptr,
+                          arrive_ptr, stride_pn, stride_pr, stride_xr, stride_hr, stride_fr,
+                          stride_an, stride_ar, stride_qr, stride_sr, stride_ok, pid // K,
+                          pid % K, pid, n, eps, scale, max_polls,
                           HIDDEN, BLOCK_H, NPART, REARM, WRITE_POLLS, ROUTER, QUANT, GROUPS,
-                          TABLE, PART_BF16, REARM_PARTS, trace_ptr, TRACE, COUNT_READY)
+                          TABLE, PART_BF16, REARM_PARTS, CHUNK, K, KP, trace_ptr, TRACE,
+                          COUNT_READY)
     elif ROUTER:
         _router_program(rin_ptr, rw_ptr, logit_ptr, cnt_ptr, ids_ptr, wts_ptr, flag_ptr,
                         stride_ir, stride_ik, stride_wr, stride_wk,
-                        pid - ROWS, tl.num_programs(0) - ROWS, n, router_polls, ready_ptr, ROWS,
+                        pid - ROWS * K, tl.num_programs(0) - ROWS * K, n, router_polls,
+                        ready_ptr, ROWS,
                         HIDDEN, EXPERTS, BLOCK_EALL, TOP_K, BLOCK_TOPK, ROUTE_ROWS, BLOCK_E,
                         BLOCK_K, UNROLL_K, TOPK, PREFETCH_W, trace_ptr, pid, TRACE,
                         COUNT_READY)
@@ -293,6 +330,26 @@ def _rearm_args(rearm, dummy) -> tuple:
     return rearm, parts.stride(0), parts.stride(1), parts.shape[0]
 
 
+def _chunk_args(groups: int, hidden: int, rows: int, scratch: RowChunkScratch | None, dev,
+                dummy: torch.Tensor) -> tuple[int, int, RowChunkScratch]:
+    """→ (columns per row-chunk program, programs per row K, the scratch its counters use — a
+    checked one, a fresh one when None, or placeholders when K = 1)."""
+    chunk, k = row_chunks(groups, hidden)
+    if k == 1:
+        return chunk, k, RowChunkScratch(dummy, dummy)
+    if k > MAX_CHUNKS or rows > MAX_ROWS:
+        raise ValueError(f"config: chunks of {groups} groups make {k} chunks of {rows} rows; at "
+                         f"most {MAX_CHUNKS} chunks and {MAX_ROWS} rows")
+    scratch = RowChunkScratch.create(dev) if scratch is None else scratch
+    check_tensor("chunk_scratch.arrive", scratch.arrive, shape=(MAX_ROWS,), dtypes=(torch.int32,),
+                 device=dev)
+    check_tensor("chunk_scratch.ok", scratch.ok, shape=(MAX_ROWS, MAX_CHUNKS),
+                 dtypes=(torch.int32,), device=dev)
+    if not (scratch.arrive.is_contiguous() and scratch.ok.is_contiguous()):
+        raise ValueError("chunk_scratch: arrive and ok must be contiguous")
+    return chunk, k, scratch
+
+
 @twin(_twins.attn_tail_ref)
 def attn_tail(
     partials,  # [N, R, H] fp32 | bf16 o_proj partials (a ring slot) or PeerPartials; NaN: unwritten
@@ -316,7 +373,8 @@ def attn_tail(
     router_max_polls: int = 1 << 20,
     quantize: bool = False,
     pdl: bool = False,
-    trace: torch.Tensor | None = None,  # [R + router programs, SLOTS] int64 (kernels/timeline)
+    trace: torch.Tensor | None = None,  # [R·K + router programs, SLOTS] int64 (kernels/timeline)
+    chunk_scratch: RowChunkScratch | None = None,  # with config.attn_chunk_groups; None: fresh
 ) -> AttnTailOut:
     """Attention tail of a layer ≥ 1 (+ the folded router when router_w is given); outputs as
     reference.twins.tails.attn_tail_ref, padding rows untouched.
@@ -394,23 +452,25 @@ def attn_tail(
     sc = scratch if router else RouterScratch(dummy, dummy, fail_flag, fail_flag)
     n_route = triton.cdiv(experts, cfg.block_e) if router else 0
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, dummy)
+    chunk, k, rc = _chunk_args(cfg.attn_chunk_groups, hidden, rows, chunk_scratch, dev, fail_flag)
     if trace is not None:
-        check_trace(trace, rows + n_route, dev)
-    _attn_tail_kernel[(rows + n_route,)](
+        check_trace(trace, rows * k + n_route, dev)
+    _attn_tail_kernel[(rows * k + n_route,)](
         p.arg, xn, attn_out_norm, ffn_norm, out.h, out.f_in,
         re_ptr, dummy if polls is None else polls, fail_flag, n,
         sc.r_in, dummy if router_w is None else router_w, sc.logits, sc.counter, ids, wts, q, s,
+        rc.ok, rc.arrive,
         p.stride_n, p.stride_r, xn.stride(0), out.h.stride(0),
         out.f_in.stride(0), stride_an, stride_ar,
         ids.stride(0), ids.stride(1), wts.stride(0), wts.stride(1), q.stride(0), s.stride(0),
-        rows, eps, attn_out_scale, max_polls, router_max_polls,
+        rc.ok.stride(0), rows, eps, attn_out_scale, max_polls, router_max_polls,
         HIDDEN=hidden, BLOCK_H=block_h(hidden), NPART=npart, REARM=rearm is not None,
         WRITE_POLLS=polls is not None, ROUTER=router, EXPERTS=max(experts, 1),
         BLOCK_EALL=pow2(max(experts, 1)), TOP_K=max(top_k, 1), BLOCK_TOPK=pow2(max(top_k, 1)),
         ROUTE_ROWS=cfg.route_rows, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
         UNROLL_K=cfg.unroll_k, QUANT=quantize, GROUPS=groups(hidden),
         TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16, REARM_PARTS=re_parts,
-        TOPK=topk_mode(cfg), PREFETCH_W=cfg.prefetch_w,
+        CHUNK=chunk, K=k, KP=pow2(k), TOPK=topk_mode(cfg), PREFETCH_W=cfg.prefetch_w,
         trace_ptr=dummy if trace is None else trace, TRACE=trace is not None,
         ready_ptr=sc.ready, COUNT_READY=router and cfg.count_ready,
         num_warps=cfg.num_warps,
@@ -437,15 +497,15 @@ def moe_tail(
     quantize: bool = False,
     pdl: bool = False,
     trace: torch.Tensor | None = None,  # [R·K, SLOTS] int64 (kernels/timeline.py)
-    scratch: RowChunkScratch | None = None,  # with config.moe_chunk_groups; None: a fresh one
+    chunk_scratch: RowChunkScratch | None = None,  # with config.moe_chunk_groups; None: fresh
 ) -> MoeTailOut:
     """MoE tail of a layer ≥ 1; outputs as reference.twins.tails.moe_tail_ref, padding rows
     untouched. quantize: also out.xq / out.sx = kernels.fp8.quantize_act(xn) bit for bit (the next
     layer's QKV operand, so that its GEMM needs no quantization launch).
     pdl: programmatic dependent launch (kernels/launch.py).
     config.moe_chunk_groups: K column-chunk programs per row (kernels/row_chunks.py), the same
-    bits as one per row; their counters live in `scratch` (a fresh one costs a fill launch:
-    pass one that lives as long as the caller, as iquestrt/ops_kernels.py does).
+    bits as one per row; their counters live in `chunk_scratch` (a fresh one costs a fill
+    launch: pass one that lives as long as the caller, as iquestrt/ops_kernels.py does).
     trace (CUDA only): per-program timestamps at row·K + chunk, slots 0 start, 1 partials summed,
     2 xn / x stored (the row's last chunk), 3 end."""
     p = partials_arg(partials)
@@ -466,19 +526,7 @@ def moe_tail(
     out.xq, out.sx = _quant_outputs(out.xq, out.sx, quantize, rows, hidden, dev, "x")
     q, s = (out.xq, out.sx) if quantize else (out.xn, out.xn)
     re_ptr, stride_an, stride_ar, re_parts = _rearm_args(rearm, out.xn)
-    chunk, k = moe_chunks(cfg, hidden)
-    if k > 1:
-        if k > MAX_CHUNKS or rows > MAX_ROWS:
-            raise ValueError(f"config.moe_chunk_groups={cfg.moe_chunk_groups}: {k} chunks of "
-                             f"{rows} rows; at most {MAX_CHUNKS} chunks and {MAX_ROWS} rows")
-        scratch = RowChunkScratch.create(dev) if scratch is None else scratch
-        check_tensor("scratch.arrive", scratch.arrive, shape=(MAX_ROWS,), dtypes=(torch.int32,),
-                     device=dev)
-        check_tensor("scratch.ok", scratch.ok, shape=(MAX_ROWS, MAX_CHUNKS),
-                     dtypes=(torch.int32,), device=dev)
-        if not (scratch.arrive.is_contiguous() and scratch.ok.is_contiguous()):
-            raise ValueError("scratch: arrive and ok must be contiguous")
-    sc = scratch if k > 1 else RowChunkScratch(fail_flag, fail_flag)
+    chunk, k, sc = _chunk_args(cfg.moe_chunk_groups, hidden, rows, chunk_scratch, dev, fail_flag)
     if trace is not None:
         check_trace(trace, rows * k, dev)
     _moe_tail_kernel[(rows, k)](

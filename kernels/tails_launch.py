@@ -21,14 +21,17 @@ class TailLaunch:
     # router finish: softmax and top-k over warp-sized tiles, each row's reductions inside
     # one warp (kernels/router.py _softmax_topk_groups)
     group_finish: bool = False
-    # MoE tail: 0 = one program per row; g = programs of g 128-column groups each, joined by a
-    # per-row arrival counter (kernels/row_chunks.py); the same bits either way
+    # row programs of the MoE / attention tail: 0 = one program per row; g = programs of g
+    # 128-column groups each, joined by a per-row arrival counter (kernels/row_chunks.py); the
+    # same bits either way
     moe_chunk_groups: int = 0
+    attn_chunk_groups: int = 0
 
     def __post_init__(self) -> None:
-        g = self.moe_chunk_groups
-        if g < 0 or (g and g & (g - 1)):
-            raise ValueError(f"TailLaunch.moe_chunk_groups: 0 or a power of two, got {g}")
+        for name in ("moe_chunk_groups", "attn_chunk_groups"):
+            g = getattr(self, name)
+            if g < 0 or (g and g & (g - 1)):
+                raise ValueError(f"TailLaunch.{name}: 0 or a power of two, got {g}")
         if self.packed_topk and self.group_finish:
             raise ValueError("TailLaunch: packed_topk and group_finish are two ways of one "
                              "top-k; choose one")
@@ -57,11 +60,12 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
                       group_finish=True, moe_chunk_groups=2)
 
 
-def moe_chunks(cfg: TailLaunch, hidden: int) -> tuple[int, int]:
-    """(columns per MoE-tail program, programs per row) under cfg.moe_chunk_groups."""
-    if not cfg.moe_chunk_groups or 128 * cfg.moe_chunk_groups >= hidden:
+def row_chunks(groups: int, hidden: int) -> tuple[int, int]:
+    """(columns per row-chunk program, programs per row) for chunks of `groups` 128-column
+    groups (0: one program per row)."""
+    if not groups or 128 * groups >= hidden:
         return block_h(hidden), 1
-    chunk = 128 * cfg.moe_chunk_groups
+    chunk = 128 * groups
     return chunk, -(-hidden // chunk)
 
 

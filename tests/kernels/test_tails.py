@@ -918,27 +918,29 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
               "ids_ptr": i32, "w_ptr": bf, "x_ptr": bf, "trace_ptr": "*i64", "ready_ptr": i32}
     cfg = T.tail_launch(3072, 256)
     stats = {}
-    for router, unroll, topk, prefetch, trace, count in (  # topk: router.py's TOPK mode
-            (True, False, 0, False, False, False), (True, True, 0, False, False, False),
-            (True, False, 1, False, False, False), (False, False, 0, False, False, False),
-            (True, False, 0, True, False, False), (True, True, 0, True, False, False),
-            (True, False, 0, False, True, False), (True, False, 0, False, False, True),
-            (True, False, 2, False, False, False)):
+    chunk_ptrs = {"ok_ptr": i32, "arrive_ptr": i32}
+    for router, unroll, topk, prefetch, trace, count, k in (  # topk: router.py's TOPK mode
+            (True, False, 0, False, False, False, 1), (True, True, 0, False, False, False, 1),
+            (True, False, 1, False, False, False, 1), (False, False, 0, False, False, False, 1),
+            (True, False, 0, True, False, False, 1), (True, True, 0, True, False, False, 1),
+            (True, False, 0, False, True, False, 1), (True, False, 0, False, False, True, 1),
+            (True, False, 2, False, False, False, 1), (True, False, 0, False, False, True, 12)):
         parts = "*fp32" if router else bf  # fp32 partials with polls; bf16 partials without
         stats[f"attn_router{router}" + ("_unrolled" if unroll else "")
               + ("", "_packed", "_groups")[topk] + ("_prefetch" if prefetch else "")
-              + ("_trace" if trace else "") + ("_count" if count else "")] = build(
-            T._attn_tail_kernel, common | {"part_ptr": parts, "rearm_ptr": parts,
-                                           "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
+              + ("_trace" if trace else "") + ("_chunks" if k > 1 else "")
+              + ("_count" if count else "")] = build(
+            T._attn_tail_kernel, common | chunk_ptrs | {"part_ptr": parts, "rearm_ptr": parts,
+                                                        "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": router, "ROUTER": router, "EXPERTS": 256, "BLOCK_EALL": 256,
                 "TOP_K": 8, "BLOCK_TOPK": 8, "ROUTE_ROWS": cfg.route_rows,
                 "BLOCK_E": cfg.block_e, "BLOCK_K": cfg.block_k, "UNROLL_K": unroll,
                 "QUANT": router, "GROUPS": 32, "TABLE": False, "PART_BF16": not router,
                 "REARM_PARTS": 1, "TOPK": topk, "PREFETCH_W": prefetch,
-                "TRACE": trace, "COUNT_READY": count, "PDL": False},
+                "TRACE": trace, "COUNT_READY": count, "PDL": False,
+                "CHUNK": 4096 if k == 1 else 256, "K": k, "KP": pow2(k)},
             cfg.num_warps)
-    chunk_ptrs = {"ok_ptr": i32, "arrive_ptr": i32}
     for quant, trace, k in ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 6)):
         table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
         stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")
@@ -1002,6 +1004,11 @@ def test_compiled_kernels_build_for_sm90():
             cnt["atom.global.gpu.acq_rel"]) == (1, 1, 1), cnt
     assert all(s["atom.global.gpu.release"] == s["ld.global.gpu.acquire"] == 0
                for name, s in stats.items() if not name.endswith("_count"))
+    # row chunks (kernels/row_chunks.py): one more acq_rel arrival (the chunks'), and the ready
+    # counter raised by a row's last arrival or by a padding row's chunk 0
+    ch = stats["attn_routerTrue_chunks_count"]
+    assert (ch["atom.global.gpu.release"], ch["ld.global.gpu.acquire"],
+            ch["atom.global.gpu.acq_rel"]) == (2, 1, 2), ch
     # the group finish: the same softmax exps and single arrival, fewer barriers (each row's
     # reductions stay inside one warp)
     grp = stats["attn_routerTrue_groups"]
