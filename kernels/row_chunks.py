@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fp8 import bf16_rne
+
 MAX_CHUNKS = 32  # chunk programs per row (a row of H ≤ 4096 in chunks of ≥ 128 columns)
 MAX_ROWS = 64
 
@@ -60,6 +62,22 @@ class RowChunkScratch:
     def reset(self) -> None:
         """After an aborted launch (device synchronized): every counter 0."""
         self.arrive.zero_()
+
+
+@triton.jit
+def stage_row(stage_ptr, stride_stage, ok_ptr, arrive_ptr, stride_ok, row, chunk, cols, cmask,
+              acc, ready, HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, K: tl.constexpr,
+              KP: tl.constexpr):
+    """Steps 1–3 for program (row, chunk) of a live row, acc [CHUNK] its FP32 partial sum →
+    (whether it is the row's last arrival; if so the row's staged bf16(Σ) [BLOCK_H] as FP32 —
+    in the layout of a row program's arange(BLOCK_H), so the row code reduces it in that
+    program's order — and the row's readiness; zeros otherwise)."""
+    tl.store(stage_ptr + row * stride_stage + cols, bf16_rne(acc), mask=cmask)
+    last = arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K)
+    every = tl.arange(0, BLOCK_H)
+    staged = tl.load(stage_ptr + row * stride_stage + every, mask=(every < HIDDEN) & last,
+                     other=0.0, volatile=True).to(tl.float32)
+    return last, staged, tl.where(last, row_ready(ok_ptr, row, stride_ok, K, KP), 0)
 
 
 @triton.jit

@@ -49,7 +49,7 @@ from kernels.launch import launch_opts, pdl_enter
 from kernels.peer_partials import PartialsArg, partials_arg, span
 from kernels.readiness import ready_row
 from kernels.router import RouterScratch, _router_program
-from kernels.row_chunks import MAX_CHUNKS, MAX_ROWS, RowChunkScratch, arrive_last, row_ready
+from kernels.row_chunks import MAX_CHUNKS, MAX_ROWS, RowChunkScratch, stage_row
 from kernels.tails_launch import (
     TailLaunch,
     block_h,
@@ -116,17 +116,15 @@ def _attn_row_program(
                   q_ptr, s_ptr, ready_ptr, stride_xr, stride_hr, stride_fr, stride_qr, stride_sr,
                   row, cols, cmask & live, eps, scale, HIDDEN, ROUTER, QUANT, GROUPS,
                   trace_ptr, pid, TRACE, COUNT_READY)
-    elif live:
-        tl.store(h_ptr + row * stride_hr + cols, _bf16(acc).to(tl.bfloat16), mask=cmask)
-        if arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K):
+    elif live:  # the row's chunks stage a in h's buffer; the last arrival runs the row
+        last, a, ok = stage_row(h_ptr, stride_hr, ok_ptr, arrive_ptr, stride_ok, row, chunk,
+                                cols, cmask, acc, ready, HIDDEN, BLOCK_H, K, KP)
+        if last:
             every = tl.arange(0, BLOCK_H)
-            em = every < HIDDEN
-            a = tl.load(h_ptr + row * stride_hr + every, mask=em, other=0.0,
-                        volatile=True).to(tl.float32)
-            _attn_row(a, row_ready(ok_ptr, row, stride_ok, K, KP), live, xn_ptr, w_aon_ptr,
-                      w_ffn_ptr, h_ptr, f_ptr, rin_ptr, q_ptr, s_ptr, ready_ptr, stride_xr,
-                      stride_hr, stride_fr, stride_qr, stride_sr, row, every, em, eps, scale,
-                      HIDDEN, ROUTER, QUANT, GROUPS, trace_ptr, pid, TRACE, COUNT_READY)
+            _attn_row(a, ok, live, xn_ptr, w_aon_ptr, w_ffn_ptr, h_ptr, f_ptr, rin_ptr, q_ptr,
+                      s_ptr, ready_ptr, stride_xr, stride_hr, stride_fr, stride_qr, stride_sr,
+                      row, every, every < HIDDEN, eps, scale, HIDDEN, ROUTER, QUANT, GROUPS,
+                      trace_ptr, pid, TRACE, COUNT_READY)
     elif ROUTER and COUNT_READY and chunk == 0:
         tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
     stamp(trace_ptr, pid, 3, TRACE)
@@ -236,17 +234,14 @@ def _moe_tail_kernel(
         _moe_tail_row(_bf16(acc), ready, live, h_ptr, w_ptr, xn_ptr, x_ptr, q_ptr, s_ptr, row,
                       cols, cmask & live, stride_hr, stride_xnr, stride_xr, stride_qr, stride_sr,
                       eps, scale, HIDDEN, WRITE_X, QUANT, GROUPS, trace_ptr, pid, TRACE)
-    elif live:
-        tl.store(x_ptr + row * stride_xr + cols, _bf16(acc).to(tl.bfloat16), mask=cmask)
-        if arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K):
+    elif live:  # the row's chunks stage f in x's buffer; the last arrival runs the row
+        last, f, ok = stage_row(x_ptr, stride_xr, ok_ptr, arrive_ptr, stride_ok, row, chunk,
+                                cols, cmask, acc, ready, HIDDEN, BLOCK_H, K, KP)
+        if last:
             every = tl.arange(0, BLOCK_H)
-            em = every < HIDDEN
-            f = tl.load(x_ptr + row * stride_xr + every, mask=em, other=0.0,
-                        volatile=True).to(tl.float32)
-            _moe_tail_row(f, row_ready(ok_ptr, row, stride_ok, K, KP), live, h_ptr, w_ptr,
-                          xn_ptr, x_ptr, q_ptr, s_ptr, row, every, em, stride_hr, stride_xnr,
-                          stride_xr, stride_qr, stride_sr, eps, scale, HIDDEN, WRITE_X, QUANT,
-                          GROUPS, trace_ptr, pid, TRACE)
+            _moe_tail_row(f, ok, live, h_ptr, w_ptr, xn_ptr, x_ptr, q_ptr, s_ptr, row, every,
+                          every < HIDDEN, stride_hr, stride_xnr, stride_xr, stride_qr, stride_sr,
+                          eps, scale, HIDDEN, WRITE_X, QUANT, GROUPS, trace_ptr, pid, TRACE)
     stamp(trace_ptr, pid, 3, TRACE)
 
 
