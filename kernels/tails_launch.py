@@ -51,8 +51,9 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
     counter and group finish are 2.2–3.0 % faster rounds in 4 of 4 pairs (widths 6 / 8 × 1K /
     4K).
     The MoE tail in chunks of 2 groups (256 columns: 12 programs per row at H = 3072): on the
-    H100 the round was 5.8–6.8 % faster than with one program per row and an FP64 Σx², against
-    chunks of 4 (5.6–6.3 %) and 8 (4.3–5.3 %); reports/benchmarks/h100-2026-12-06c/."""
+    H100 0.7–1.1 % faster rounds than one program per row (widths 6 / 8 × 1K / 4K), chunks of 2
+    ahead of 4 and 8 (reports/benchmarks/h100-2026-12-06c/, measured on the chunk design of
+    637a31f). The attention tail's chunks (attn_chunk_groups) stay off until measured."""
     if experts >= 64:
         return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)), count_ready=True,
                           group_finish=True, prefetch_w=True, moe_chunk_groups=2)
