@@ -7,7 +7,7 @@ kernels/moe_launch.py `moe_launch`, kernels/sampler `sampler_launch`, kernels/ta
 `tail_launch`. An override replaces named fields of the pinned configuration at each call
 (dataclasses.replace, so the configuration's own checks run). Most fields change no bit (channel
 tiles, warps, stages, sampler tiles and selection, the MoE's moved launches, the packed top-k,
-the router's prefetched weights, the MoE tail's column chunks);
+the router's prefetched weights, the tails' column chunks);
 MoeLaunch.gate_up_k_blocks does (it moves the gate/up K split), within the tolerance rows.
 
 Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample. The
