@@ -9,7 +9,9 @@ attention tail: one *row program* per buffer row r (grid slots 0..R−1): poll t
   counter every row program raises after its store (TailLaunch.count_ready); otherwise by NaN
   readiness of the NaN-armed rows — compute FP32 logits for all live rows, and the last of them
   to finish (an acq_rel counter) does softmax → top-k → renormalize and publishes ids/weights
-  (kernels/router.py).
+  (kernels/router.py). With TailLaunch.attn_chunk_groups a row program is K column-chunk
+  programs (slots 0..R·K−1), the row's last arrival running the row on their staged a, and the
+  router programs start at slot R·K (kernels/row_chunks.py).
   Scratch invariant between launches: both counters 0 (with NaN readiness also r_in all NaN) —
   the last router program restores it; launches of one stream never overlap, so the next launch
   starts from it.
@@ -383,8 +385,12 @@ def attn_tail(
     quantize: also out.fq / out.sf = kernels.fp8.quantize_act(f_in) bit for bit (the experts'
     gate/up operand, so that moe_fp8 needs no quantization launch).
     pdl: programmatic dependent launch (kernels/launch.py).
-    trace (CUDA only): per-program timestamps, slots 0 start; row programs 1 partials summed,
-    2 h / f_in / router input stored, 3 end; router programs 1 logits computed, 2 arrived on
+    config.attn_chunk_groups: K column-chunk programs per row (kernels/row_chunks.py; grid
+    slots 0..R·K−1, row = slot // K), the same bits as one per row; their counters live in
+    `chunk_scratch` (a fresh one costs a fill launch).
+    trace (CUDA only): per-program timestamps, slots 0 start; row programs (at row·K + chunk)
+    1 partials summed, 2 h / f_in / router input stored (the row's last chunk), 3 end; router
+    programs 1 logits computed, 2 arrived on
     the counter, 3 (the last) routed, 8 its input seen (the wait over); the last also 4
     softmax, 5 top-k, 6 ids / weights stored (kernels/router.py _route_finish)."""
     p = partials_arg(partials)
