@@ -88,6 +88,7 @@ def _run(cfg: BenchConfig, out: Path) -> None:
     from benchmarks.timing import capture_graph
     from iquestrt.tp import group as tp_group
     from iquestrt.tp.peer_ring import symmetric_ring
+    from kernels.row_chunks import RowChunkScratch
     from kernels.tails import moe_tail
 
     g = tp_group.init_group(timeout_s=cfg.timeout_s)
@@ -103,9 +104,11 @@ def _run(cfg: BenchConfig, out: Path) -> None:
     buf = torch.empty(r_buf, h_dim, device=dev)
     step = {"t": 0}
 
+    chunks = RowChunkScratch.create(dev)  # one for every call: a fresh one is a fill launch
+
     def tail(parts, n_live, rearm=None, polls=cfg.max_polls):
         return moe_tail(parts, h, w, n_live, flag, eps=EPS, ffn_out_scale=FFN_SCALE,
-                        max_polls=polls, rearm=rearm)
+                        max_polls=polls, rearm=rearm, chunk_scratch=chunks)
 
     def check(n: int, n_live) -> None:
         t = step["t"]

@@ -62,9 +62,11 @@ class Problem:
     flag: torch.Tensor  # [1] int32
     rearm: torch.Tensor  # [R, H] fp32 spare buffer
     scratch: object  # kernels.tails.RouterScratch | None
+    chunks: object  # kernels.row_chunks.RowChunkScratch (the chunked rows' counters)
 
 
 def build(spec: Spec, device) -> Problem:
+    from kernels.row_chunks import RowChunkScratch
     from kernels.tails import RouterScratch
 
     gen = torch.Generator().manual_seed(spec.seed)
@@ -85,6 +87,7 @@ def build(spec: Spec, device) -> Problem:
         torch.zeros(1, dtype=torch.int32, device=device),
         torch.full((r, h), float("nan"), device=device),
         RouterScratch.create(h, spec.experts, device) if spec.router else None,
+        RowChunkScratch.create(device),
     )
 
 
@@ -96,12 +99,12 @@ def kernel_call(p: Problem, copy: int = 0, config=None, out=None, trace=None):
     if s.tail == "moe":
         return lambda: moe_tail(p.partials, p.resid, p.norms[0], p.n_live, p.flag, eps=EPS,
                                 ffn_out_scale=FFN_SCALE, max_polls=1 << 20, rearm=p.rearm,
-                                out=out, config=config, trace=trace)
+                                out=out, config=config, trace=trace, chunk_scratch=p.chunks)
     rw = p.router_w[copy % len(p.router_w)] if s.router else None
     return lambda: attn_tail(p.partials, p.resid, p.norms[0], p.norms[1], p.n_live, p.flag,
                              eps=EPS, attn_out_scale=1.0, max_polls=1 << 20, rearm=p.rearm,
                              router_w=rw, top_k=s.top_k if s.router else 0, scratch=p.scratch,
-                             out=out, config=config, trace=trace)
+                             out=out, config=config, trace=trace, chunk_scratch=p.chunks)
 
 
 def torch_call(p: Problem, copy: int = 0):
