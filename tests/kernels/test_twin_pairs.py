@@ -21,6 +21,7 @@ HELPERS = {
     "peer_partials": "tails",  # the tails' table of peer slots
     "launch": "rows",  # pdl_enter, the griddepcontrol wait every PDL kernel inlines
     "timeline": "tails",  # the timestamps a traced tail stores (no value of the op changes)
+    "row_chunks": "tails",  # the tails' column-chunk rows (the row program's values, staged)
 }
 # an op whose twins-table call is another twin with the same values, and why
 SAME_VALUES = {
