@@ -80,7 +80,7 @@ def summarize(ms: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, floa
 
 def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
     from kernels.tails import tail_launch
-    from kernels.tails_launch import row_chunks
+    from kernels.tails_launch import chunk_grid
     from kernels.timeline import new_trace
 
     dev = torch.device("cuda")
@@ -89,7 +89,7 @@ def run_one(spec: Spec, config, reps: int, trials: int, warmup: int) -> dict:
     check = check_against_twin(p, cfg)
     # row programs are K column chunks each (pid = row·K + chunk)
     groups = cfg.attn_chunk_groups if spec.router else cfg.moe_chunk_groups
-    k = row_chunks(groups, spec.hidden)[1]
+    k = chunk_grid(groups, spec.hidden)[1]
     programs = spec.buffer_rows * k + (-(-spec.experts // cfg.block_e) if spec.router else 0)
     traces = new_trace(reps * programs, dev).view(reps, programs, SLOTS)
     copies = max(1, len(p.router_w))

@@ -73,8 +73,8 @@ class KernelOps:
         self._layer_tables: dict[tuple, k_kv.LayerTable] = {}
 
     def reset(self) -> None:
-        """After a failure flag: restore the router and MoE scratch invariants (kernels/tails.py,
-        kernels/moe.py)."""
+        """After a failure flag: restore the router, MoE and row-chunk scratch invariants
+        (kernels/tails.py, kernels/moe.py, kernels/row_chunks.py)."""
         for s in [*self._scratch.values(), *self._route_scratch.values(), self.moe_scratch,
                   self.row_chunks]:
             s.reset()

@@ -1,7 +1,7 @@
 """A row program spread over column-chunk programs inside one launch: each of K programs of a row
 sums its chunk of the row's rank partials and stages it, and the last of them to arrive on a
-per-row counter runs the row's own program on the staged row (used by the MoE tail,
-kernels/tails.py, with TailLaunch.moe_chunk_groups).
+per-row counter runs the row's own program on the staged row (the tails of kernels/tails.py,
+with TailLaunch.moe_chunk_groups / attn_chunk_groups).
 
 Why: one program per row pulls the row's N rank partials through one SM (≈ 46 GB/s per SM on
 the H100 at N = 24, reports/benchmarks/h100-2026-12-06b/); K chunk programs pull them through K

@@ -55,9 +55,9 @@ from kernels.row_chunks import MAX_CHUNKS, MAX_ROWS, RowChunkScratch, stage_row
 from kernels.tails_launch import (
     TailLaunch,
     block_h,
+    chunk_grid,
     groups,
     pow2,
-    row_chunks,
     tail_launch,
     topk_mode,
 )
@@ -331,7 +331,7 @@ def _chunk_args(groups: int, hidden: int, rows: int, scratch: RowChunkScratch | 
                 dummy: torch.Tensor) -> tuple[int, int, RowChunkScratch]:
     """→ (columns per row-chunk program, programs per row K, the scratch its counters use — a
     checked one, a fresh one when None, or placeholders when K = 1)."""
-    chunk, k = row_chunks(groups, hidden)
+    chunk, k = chunk_grid(groups, hidden)
     if k == 1:
         return chunk, k, RowChunkScratch(dummy, dummy)
     if k > MAX_CHUNKS or rows > MAX_ROWS:

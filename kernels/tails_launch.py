@@ -61,7 +61,7 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
                       group_finish=True, moe_chunk_groups=2)
 
 
-def row_chunks(groups: int, hidden: int) -> tuple[int, int]:
+def chunk_grid(groups: int, hidden: int) -> tuple[int, int]:
     """(columns per row-chunk program, programs per row) for chunks of `groups` 128-column
     groups (0: one program per row)."""
     if not groups or 128 * groups >= hidden:

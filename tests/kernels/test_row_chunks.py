@@ -18,7 +18,7 @@ import torch
 
 from kernels.row_chunks import RowChunkScratch
 from kernels.tails import RouterScratch, attn_tail, moe_tail, tail_launch
-from kernels.tails_launch import TailLaunch, row_chunks
+from kernels.tails_launch import TailLaunch, chunk_grid
 from qualification.tolerances import check
 from reference.op_types import MoeTailOut
 from reference.twins.tails import moe_tail_ref
@@ -91,7 +91,7 @@ def test_chunk_sizes_give_the_same_bits(case, sizes, device):
     scratch = RowChunkScratch.create(device)
     for groups in sizes:
         cfg = replace(tail_launch(case.hidden), moe_chunk_groups=groups)
-        k = row_chunks(cfg.moe_chunk_groups, case.hidden)[1]
+        k = chunk_grid(cfg.moe_chunk_groups, case.hidden)[1]
         assert k == -(-case.hidden // (128 * groups)) >= 2
         for _ in range(2):
             got, flag = _run(case, d, device, groups, scratch)
@@ -221,7 +221,7 @@ def test_attention_chunks_give_the_row_programs_bits(case, sizes, count, device)
     scratch = RowChunkScratch.create(device)
     for groups in sizes:
         cfg = replace(base, attn_chunk_groups=groups)
-        assert row_chunks(groups, case.hidden)[1] >= 2
+        assert chunk_grid(groups, case.hidden)[1] >= 2
         for _ in range(2):
             got, rs, flag, polls, rearm = _run_attn(case, d, device, cfg, scratch)
             assert flag.item() == 0
