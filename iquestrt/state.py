@@ -60,7 +60,6 @@ class DeviceState:
     drafts: torch.Tensor  # [L + 1, Db] int64 the drafts y_1 … y_D
     q_ids: torch.Tensor  # [L + 1, Db, W] int64
     q_probs: torch.Tensor  # [L + 1, Db, W] fp32
-    ar: torch.Tensor  # [R] int32 0 … R−1 (a constant)
 
     @classmethod
     def create(cls, *, positions: int, rows: int, hidden: int, max_rounds: int, stops: int,
@@ -86,12 +85,11 @@ class DeviceState:
             drafts=torch.zeros(L + 1, rows - 1, dtype=torch.int64, device=device),
             q_ids=torch.full((L + 1, rows - 1, width), -1, dtype=torch.int64, device=device),
             q_probs=torch.zeros(L + 1, rows - 1, width, dtype=torch.float32, device=device),
-            ar=torch.arange(rows, **i32),
         )
 
     @property
     def rows(self) -> int:
-        return self.ar.shape[0]
+        return self.emitted.shape[1]
 
     @property
     def dump_row(self) -> int:
