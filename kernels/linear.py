@@ -88,6 +88,19 @@ def _linear_fp8_kernel(
     live = rows < n_live
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
     cm = c < N
+    acc = fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr,
+                   stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, K, KB, BLOCK_N,
+                   BLOCK_R)
+    _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
+                OUT_BF16)
+
+
+@triton.jit
+def fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr, stride_sxr,
+             stride_wn, stride_wk, stride_sn, stride_sk, K: tl.constexpr, KB: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (tile, split)'s FP32 product [BN, BR]: channels c over column blocks
+    [split·KB, (split+1)·KB) (kernels/qk_rope.py's folded QKV launch inlines it too)."""
     w_rows = w_ptr + c.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for i in range(KB):  # block kb of this split; past the last block every load is masked (0)
@@ -104,8 +117,7 @@ def _linear_fp8_kernel(
                      other=0.0)  # [BN]: each channel's own block row
         part = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)))  # [BN, BR]
         acc += part * (sw[:, None] * sx[None, :])
-    _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
-                OUT_BF16)
+    return acc
 
 
 @triton.jit

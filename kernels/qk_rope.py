@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.attention.common import interpreting
 from kernels.checks import check_tensor, live_count
 from kernels.fp8 import bf16_rne
 from kernels.kv_cache import check_cache
@@ -70,19 +71,115 @@ def rope_table(max_positions: int, rotary_dim: int, theta: float, device,
 
 @dataclass(frozen=True)
 class QkRopeLaunch:
+    rows_per_program: int = 1  # BR: rows of one head per program (a power of two)
     num_warps: int = 1  # one program per (row, head): D ≤ 256 values
+
+    def __post_init__(self) -> None:
+        if self.rows_per_program < 1 or self.rows_per_program & (self.rows_per_program - 1):
+            raise ValueError(f"QkRopeLaunch.rows_per_program: expected a power of two >= 1, "
+                             f"got {self.rows_per_program}")
 
 
 # --- kernel ----------------------------------------------------------------------------------
 
 
 @triton.jit
-def _load_rounded(base, cols, mask, stride_s, stride_c, S: tl.constexpr):
-    """qkv[·, cols] of one row as fp32 on the bf16 grid: partials summed s = 0 … S−1, rounded."""
-    v = tl.load(base + cols * stride_c, mask=mask, other=0.0).to(tl.float32)
+def _load_rounded(ptrs, mask, stride_s, S: tl.constexpr, VOLATILE: tl.constexpr):
+    """qkv at ptrs as fp32 on the bf16 grid: partials summed s = 0 … S−1, rounded. VOLATILE:
+    the partials were stored by other programs of this launch (kernels/arrival.py)."""
+    v = tl.load(ptrs, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
     for s in tl.static_range(1, S):
-        v += tl.load(base + s * stride_s + cols * stride_c, mask=mask, other=0.0)
+        v += tl.load(ptrs + s * stride_s, mask=mask, other=0.0, volatile=VOLATILE)
     return bf16_rne(v).to(tl.float32)
+
+
+@triton.jit
+def _rounded_product(a, b, INTERPRET: tl.constexpr):
+    """a · b rounded to FP32 whatever the launch's enable_fp_fusion: PTX mul.rn is never
+    contracted into an FMA with the add that follows (the interpreter's NumPy never
+    contracts)."""
+    if INTERPRET:
+        return a * b
+    return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                     dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def qk_rope_rows(
+    qkv_ptr, qw_ptr, kw_ptr, pos_ptr, tab_ptr, q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, label_ptr,
+    rows, n_rows, head, P, C, eps,
+    stride_s, stride_r, stride_c, stride_tp,
+    stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    s_cc, s_ch, s_vc, s_vch,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+    S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
+    BLOCK_D: tl.constexpr, VOLATILE: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Head `head` ([0, HQ) q, [HQ, HQ + HKV) k, then v) of the rows `rows` [BR] below n_rows:
+    norm, RoPE, the q / k / v stores and (WRITE_KV) the cache's. Every value is per row, so a
+    row's bits do not depend on which rows share the program."""
+    half: tl.constexpr = ROT // 2
+    live = rows < n_rows  # [BR]
+    d = tl.arange(0, BLOCK_D)  # [BD]
+    dm = d < D
+    m2 = live[:, None] & dm[None, :]  # [BR, BD]
+    pos = tl.load(pos_ptr + rows, mask=live, other=-1)  # [BR]
+    # WRITE_KV: the row's cache slot, as kernels/kv_cache.py _write_kv_kernel finds it; a
+    # negative position or one without a slot (full cache, pos ≥ C) stores nothing
+    if RING:
+        slot = pos % C
+    else:
+        slot = pos
+    stored = live & (pos >= 0) & (slot < C)
+    slot64 = slot.to(tl.int64)
+    base = qkv_ptr + rows[:, None] * stride_r + head * D * stride_c  # [BR, 1]
+    x = _load_rounded(base + d[None, :] * stride_c, m2, stride_s, S, VOLATILE)  # [BR, BD]
+    if head >= HQ + HKV:
+        vh = head - HQ - HKV
+        tl.store(v_ptr + rows[:, None] * stride_vr + vh * stride_vh + d[None, :],
+                 x.to(tl.bfloat16), mask=m2)
+        if WRITE_KV:
+            tl.store(cv_ptr + slot64[:, None] * s_vc + vh * s_vch + d[None, :],
+                     x.to(tl.bfloat16), mask=m2 & stored[:, None])
+    else:
+        is_q = head < HQ
+        # NeoX rotate-half partner of dim d: d ± rot/2 inside the rotary part, itself outside
+        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
+        xp = _load_rounded(base + partner[None, :] * stride_c, m2, stride_s, S, VOLATILE)
+        if NORM:
+            w = tl.where(is_q, tl.load(qw_ptr + d, mask=dm, other=0.0),
+                         tl.load(kw_ptr + d, mask=dm, other=0.0)).to(tl.float32)
+            wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=dm, other=0.0),
+                          tl.load(kw_ptr + partner, mask=dm, other=0.0)).to(tl.float32)
+            x64 = x.to(tl.float64)
+            ss = tl.sum(x64 * x64, axis=1).to(tl.float32)  # [BR]; bf16 squares exact in FP64
+            mean = tl.div_rn(ss[:, None] + tl.zeros_like(x), tl.zeros_like(x) + D)
+            r = tl.div_rn(tl.zeros_like(x) + 1.0, tl.sqrt_rn(mean + eps))
+            x = bf16_rne(x * r * w[None, :]).to(tl.float32)
+            xp = bf16_rne(xp * r * wp[None, :]).to(tl.float32)
+        ok = (pos >= 0) & (pos < P)  # [BR]
+        rm = d < ROT
+        j = tl.where(d < half, d, d - half)
+        tab = tab_ptr + pos[:, None] * stride_tp + j[None, :]
+        tm = rm[None, :] & (ok & live)[:, None]
+        cos = tl.load(tab, mask=tm, other=0.0)
+        sin = tl.load(tab + half, mask=tm, other=0.0)
+        signed = tl.where(d < half, -xp, xp)  # first half: x1·cos − x2·sin
+        y = _rounded_product(x, cos, INTERPRET) + _rounded_product(signed, sin, INTERPRET)
+        y = tl.where(rm[None, :], y, x)
+        y = bf16_rne(tl.where(ok[:, None], y, float("nan")))
+        if is_q:
+            tl.store(q_ptr + rows[:, None] * stride_qr + head * stride_qh + d[None, :], y,
+                     mask=m2)
+        else:
+            kh = head - HQ
+            tl.store(k_ptr + rows[:, None] * stride_kr + kh * stride_kh + d[None, :], y,
+                     mask=m2)
+            if WRITE_KV:
+                tl.store(ck_ptr + slot64[:, None] * s_cc + kh * s_ch + d[None, :], y,
+                         mask=m2 & stored[:, None])
+                if head == HQ:  # one label per row: the first k head writes it
+                    tl.store(label_ptr + slot64, pos, mask=stored)
 
 
 @triton.jit
@@ -95,66 +192,18 @@ def _qk_rope_kernel(
     s_cc, s_ch, s_vc, s_vch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
-    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
-    half: tl.constexpr = ROT // 2
-    row = tl.program_id(0)
-    head = tl.program_id(1)  # [0, HQ) q, [HQ, HQ + HKV) k, then v
-    if row >= tl.minimum(tl.load(n_live_ptr), R):
+    n_rows = tl.minimum(tl.load(n_live_ptr), R)
+    row0 = tl.program_id(0) * BLOCK_R
+    if row0 >= n_rows:
         return
-    d = tl.arange(0, BLOCK_D)  # [BD]
-    dm = d < D
-    pos = tl.load(pos_ptr + row)
-    # WRITE_KV: the row's cache slot, as kernels/kv_cache.py _write_kv_kernel finds it; a
-    # negative position or one without a slot (full cache, pos ≥ C) stores nothing
-    if RING:
-        slot = pos % C
-    else:
-        slot = pos
-    stored = (pos >= 0) & (slot < C)
-    slot64 = slot.to(tl.int64)
-    base = qkv_ptr + row * stride_r + head * D * stride_c
-    x = _load_rounded(base, d, dm, stride_s, stride_c, S)  # [BD]
-    if head >= HQ + HKV:
-        tl.store(v_ptr + row * stride_vr + (head - HQ - HKV) * stride_vh + d, x.to(tl.bfloat16),
-                 mask=dm)
-        if WRITE_KV:
-            tl.store(cv_ptr + slot64 * s_vc + (head - HQ - HKV) * s_vch + d, x.to(tl.bfloat16),
-                     mask=dm & stored)
-    else:
-        is_q = head < HQ
-        # NeoX rotate-half partner of dim d: d ± rot/2 inside the rotary part, itself outside
-        partner = tl.where(d < half, d + half, tl.where(d < ROT, d - half, d))
-        xp = _load_rounded(base, partner, dm, stride_s, stride_c, S)
-        if NORM:
-            w = tl.where(is_q, tl.load(qw_ptr + d, mask=dm, other=0.0),
-                         tl.load(kw_ptr + d, mask=dm, other=0.0)).to(tl.float32)
-            wp = tl.where(is_q, tl.load(qw_ptr + partner, mask=dm, other=0.0),
-                          tl.load(kw_ptr + partner, mask=dm, other=0.0)).to(tl.float32)
-            x64 = x.to(tl.float64)
-            ss = tl.sum(x64 * x64, axis=0).to(tl.float32)  # bf16 squares are exact in FP64
-            mean = tl.div_rn(tl.zeros([BLOCK_D], tl.float32) + ss,
-                             tl.full([BLOCK_D], D, tl.float32))
-            r = tl.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-            x = bf16_rne(x * r * w).to(tl.float32)
-            xp = bf16_rne(xp * r * wp).to(tl.float32)
-        ok = (pos >= 0) & (pos < P)
-        rm = d < ROT
-        j = tl.where(d < half, d, d - half)
-        cos = tl.load(tab_ptr + pos * stride_tp + j, mask=rm & ok, other=0.0)
-        sin = tl.load(tab_ptr + pos * stride_tp + half + j, mask=rm & ok, other=0.0)
-        signed = tl.where(d < half, -xp, xp)  # first half: x1·cos − x2·sin
-        y = tl.where(rm, x * cos + signed * sin, x)
-        y = bf16_rne(tl.where(ok, y, float("nan")))
-        if is_q:
-            tl.store(q_ptr + row * stride_qr + head * stride_qh + d, y, mask=dm)
-        else:
-            tl.store(k_ptr + row * stride_kr + (head - HQ) * stride_kh + d, y, mask=dm)
-            if WRITE_KV:
-                tl.store(ck_ptr + slot64 * s_cc + (head - HQ) * s_ch + d, y, mask=dm & stored)
-                if head == HQ:  # one label per row: the first k head's program writes it
-                    tl.store(label_ptr + slot64, pos, mask=stored)
+    qk_rope_rows(qkv_ptr, qw_ptr, kw_ptr, pos_ptr, tab_ptr, q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr,
+                 label_ptr, row0 + tl.arange(0, BLOCK_R), n_rows, tl.program_id(1), P, C, eps,
+                 stride_s, stride_r, stride_c, stride_tp, stride_qr, stride_qh, stride_kr,
+                 stride_kh, stride_vr, stride_vh, s_cc, s_ch, s_vc, s_vch,
+                 HQ, HKV, D, ROT, S, NORM, WRITE_KV, RING, BLOCK_D, False, INTERPRET)
 
 
 # --- wrapper -----------------------------------------------------------------------------------
@@ -263,7 +312,7 @@ def qk_rope(
     qw = q_norm_weight if q_norm_weight is not None else table.cos_sin  # unread when NORM=False
     kw = k_norm_weight if k_norm_weight is not None else table.cos_sin
     ck, cv, labels = (k, v, positions) if cache is None else (cache.k, cache.v, cache.slot_pos)
-    _qk_rope_kernel[(r, heads)](
+    _qk_rope_kernel[(triton.cdiv(r, cfg.rows_per_program), heads)](
         qkv, qw, kw, positions, table.cos_sin, n, q, k, v, ck, cv, labels,  # unread: no cache
         r, table.positions, 1 if cache is None else cache.layout.capacity, float(eps),
         qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), table.cos_sin.stride(0),
@@ -271,7 +320,8 @@ def qk_rope(
         ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
         HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s, NORM=q_norm_weight is not None,
         WRITE_KV=cache is not None, RING=cache is not None and cache.layout.ring,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_R=cfg.rows_per_program,
+        INTERPRET=interpreting(),
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return q, k, v

@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival import last_arrival
 from kernels.fp8 import bf16_rne
 
 MAX_CHUNKS = 32  # chunk programs per row (a row of H ≤ 4096 in chunks of ≥ 128 columns)
@@ -85,11 +86,7 @@ def arrive_last(ok_ptr, arrive_ptr, row, chunk, ready, stride_ok, K: tl.constexp
     """Steps 1 (readiness; the caller stored its chunk) and 2 for program (row, chunk); →
     whether it is the row's last arrival (then the counter is back to 0)."""
     tl.store(ok_ptr + row * stride_ok + chunk, ready)
-    tl.debug_barrier()  # release: every thread's stores are issued before the counter moves
-    done = tl.atomic_add(arrive_ptr + row, 1, sem="acq_rel", scope="gpu")
-    last = done == K - 1
-    tl.store(arrive_ptr + row, 0, mask=last)
-    return last
+    return last_arrival(arrive_ptr + row, K)
 
 
 @triton.jit
