@@ -475,8 +475,8 @@ SM90_QK_ROPE = dict(
              cv_ptr="*bf16", label_ptr="*i32", eps="fp32"),
     const=dict(stride_c=1, HQ=6, HKV=1, D=128, ROT=32, S=8, NORM=True, WRITE_KV=True, RING=True,
                BLOCK_D=128, BLOCK_R=1, INTERPRET=False, PDL=False),
-    patterns=(r"fma\.rn\.f32", r"mul\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx", r"sqrt\.rn\.f32",
-              r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64"),
+    patterns=(r"fma\.rn\.f32", r"mul\.rn\.f32", r"div\.rn\.f32", r"div\.full", r"div\.approx",
+              r"sqrt\.rn\.f32", r"sqrt\.approx", r"rsqrt", r"add\.(rn\.)?f64"),
     warps=1)
 
 
