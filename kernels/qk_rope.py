@@ -34,11 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival import last_arrival
 from kernels.attention.common import interpreting
-from kernels.checks import check_tensor, live_count
-from kernels.fp8 import bf16_rne
+from kernels.checks import check_quantized, check_tensor, live_count
+from kernels.fp8 import bf16_rne, quantize_act
 from kernels.kv_cache import check_cache
 from kernels.launch import launch_opts, pdl_enter
+from kernels.linear import BLOCK_R, _check_fp8_args, _partials_buffer, _store_tile, fp8_tile
+from kernels.linear_launch import LinearLaunch
 from kernels.twin import twin
 from reference import ops
 from reference.kv_layout import LayerKV
@@ -206,6 +209,49 @@ def _qk_rope_kernel(
                  HQ, HKV, D, ROT, S, NORM, WRITE_KV, RING, BLOCK_D, False, INTERPRET)
 
 
+@triton.jit
+def _qkv_rope_kernel(
+    xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, parts_ptr, cnt_ptr,
+    qw_ptr, kw_ptr, pos_ptr, tab_ptr, q_ptr, k_ptr, v_ptr, ck_ptr, cv_ptr, label_ptr,
+    R, N, P, C, eps,
+    stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, stride_ps, stride_pr,
+    stride_tp, stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    s_cc, s_ch, s_vc, s_vch,
+    K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    GROUP_HEADS: tl.constexpr, ARRIVALS: tl.constexpr,
+    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
+    S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
+    BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (tile, split) of the QKV projection (kernels/linear.py's FP8 program, its FP32
+    partial stored), then an arrival on its head group's counter: a group is GROUP_HEADS heads
+    (whole tiles of ≥ one head), ARRIVALS = its tiles × S programs; the last to arrive runs
+    the standalone kernel's code on the group's heads for every row at once, reading the
+    partials the others stored (volatile)."""
+    pdl_enter(PDL)
+    n_rows = tl.minimum(tl.load(n_live_ptr), R)
+    split = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_R)  # [BR]
+    live = rows < n_rows
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
+    cm = c < N
+    acc = fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr,
+                   stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, K, KB, BLOCK_N,
+                   BLOCK_R)
+    _store_tile(parts_ptr + split * stride_ps, acc, rows, live, c, cm, stride_pr, 1, False)
+    group = tl.program_id(0) * BLOCK_N // (GROUP_HEADS * D)
+    if last_arrival(cnt_ptr + group, ARRIVALS):
+        for h in tl.static_range(GROUP_HEADS):
+            head = group * GROUP_HEADS + h
+            if head < HQ + 2 * HKV:
+                qk_rope_rows(parts_ptr, qw_ptr, kw_ptr, pos_ptr, tab_ptr, q_ptr, k_ptr, v_ptr,
+                             ck_ptr, cv_ptr, label_ptr, rows, n_rows, head, P, C, eps,
+                             stride_ps, stride_pr, 1, stride_tp, stride_qr, stride_qh,
+                             stride_kr, stride_kh, stride_vr, stride_vh, s_cc, s_ch, s_vc,
+                             s_vch, HQ, HKV, D, ROT, S, NORM, WRITE_KV, RING, BLOCK_D, True,
+                             INTERPRET)
+
+
 # --- wrapper -----------------------------------------------------------------------------------
 
 
@@ -269,9 +315,42 @@ def qk_rope(
                          f"{getattr(qkv, 'shape', type(qkv).__name__)}")
     want = torch.bfloat16 if qkv.dim() == 2 else torch.float32
     check_tensor("qkv", qkv, dtypes=(want,))
-    dev = qkv.device
     s = 1 if qkv.dim() == 2 else qkv.shape[0]
-    r, width = qkv.shape[-2], qkv.shape[-1]
+    r = qkv.shape[-2]
+    call = _prepare(qkv.shape[-1], r, qkv.device, q_norm_weight, k_norm_weight, positions,
+                    table, n_live, num_q_heads, num_kv_heads, eps, q_out, k_out, v_out, cache)
+    if r == 0:
+        return call.q, call.k, call.v
+    cfg = config or QkRopeLaunch()
+    _qk_rope_kernel[(triton.cdiv(r, cfg.rows_per_program), call.heads)](
+        qkv, *call.pointers[:4], call.n, *call.pointers[4:],
+        r, table.positions, call.capacity, float(eps),
+        qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), *call.strides,
+        S=s, BLOCK_R=cfg.rows_per_program, **call.constexprs,
+        num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
+    )
+    return call.q, call.k, call.v
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What both launches pass for the rope part, checked."""
+
+    n: torch.Tensor  # live rows, device int32 [1]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int  # Hq + 2·Hkv
+    capacity: int  # the cache's slots (1 without a cache)
+    pointers: tuple  # qw, kw, positions, table, q, k, v, cache K, cache V, labels
+    strides: tuple  # table row, q / k / v rows and heads, cache K / V slots and heads
+    constexprs: dict
+
+
+def _prepare(width, r, dev, q_norm_weight, k_norm_weight, positions, table, n_live,
+             num_q_heads, num_kv_heads, eps, q_out, k_out, v_out, cache) -> _Prepared:
+    """The checks of every argument but qkv (ValueError naming it) and the launch's rope
+    arguments."""
     if num_q_heads < 1 or num_kv_heads < 1:
         raise ValueError(f"num_q_heads / num_kv_heads: expected >= 1, got {num_q_heads} / "
                          f"{num_kv_heads}")
@@ -306,22 +385,93 @@ def qk_rope(
     q = _head_out("q_out", q_out, r, num_q_heads, d, dev)
     k = _head_out("k_out", k_out, r, num_kv_heads, d, dev)
     v = _head_out("v_out", v_out, r, num_kv_heads, d, dev)
-    if r == 0:
-        return q, k, v
-    cfg = config or QkRopeLaunch()
     qw = q_norm_weight if q_norm_weight is not None else table.cos_sin  # unread when NORM=False
     kw = k_norm_weight if k_norm_weight is not None else table.cos_sin
     ck, cv, labels = (k, v, positions) if cache is None else (cache.k, cache.v, cache.slot_pos)
-    _qk_rope_kernel[(triton.cdiv(r, cfg.rows_per_program), heads)](
-        qkv, qw, kw, positions, table.cos_sin, n, q, k, v, ck, cv, labels,  # unread: no cache
-        r, table.positions, 1 if cache is None else cache.layout.capacity, float(eps),
-        qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), table.cos_sin.stride(0),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1),
-        HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=rot, S=s, NORM=q_norm_weight is not None,
-        WRITE_KV=cache is not None, RING=cache is not None and cache.layout.ring,
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_R=cfg.rows_per_program,
-        INTERPRET=interpreting(),
-        num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
+    return _Prepared(
+        n, q, k, v, heads, 1 if cache is None else cache.layout.capacity,
+        (qw, kw, positions, table.cos_sin, q, k, v, ck, cv, labels),
+        (table.cos_sin.stride(0), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+         v.stride(0), v.stride(1), ck.stride(0), ck.stride(1), cv.stride(0), cv.stride(1)),
+        dict(HQ=num_q_heads, HKV=num_kv_heads, D=d, ROT=table.rotary_dim,
+             NORM=q_norm_weight is not None, WRITE_KV=cache is not None,
+             RING=cache is not None and cache.layout.ring, BLOCK_D=triton.next_power_of_2(d),
+             INTERPRET=interpreting()),
     )
-    return q, k, v
+
+
+MAX_GROUPS = 256  # head groups of one folded launch (QkvRopeScratch's counters)
+
+
+@dataclass(frozen=True)
+class QkvRopeScratch:
+    """The folded launch's per-head-group arrival counters; made once per device, reused by every
+    call (a captured graph replays it)."""
+
+    counters: torch.Tensor  # [MAX_GROUPS] int32, 0 between launches (kernels/arrival.py)
+
+    @classmethod
+    def create(cls, device) -> QkvRopeScratch:
+        return cls(torch.zeros(MAX_GROUPS, dtype=torch.int32, device=device))
+
+    def reset(self) -> None:
+        """After an aborted launch (device synchronized): every counter 0."""
+        self.counters.zero_()
+
+
+@twin(_twins.qkv_rope_ref)
+def qkv_rope(
+    x: torch.Tensor,  # [R, H] bf16 / fp16 / fp32, any strides; rows ≥ n may hold anything
+    weight: torch.Tensor,  # [W, H] E4M3, W = (Hq + 2·Hkv)·D
+    scale_inv: torch.Tensor,  # [⌈W/128⌉, ⌈H/128⌉] fp32
+    q_norm_weight: torch.Tensor | None,
+    k_norm_weight: torch.Tensor | None,
+    positions: torch.Tensor,
+    table: RopeTable,
+    n_live: torch.Tensor | None = None,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    eps: float,
+    scratch: QkvRopeScratch,
+    quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # quantize_act(x) made earlier
+    partials: torch.Tensor | None = None,  # [S, R, W] fp32 workspace
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
+    config: LinearLaunch | None = None,
+    cache: LayerKV | None = None,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kernels.linear.linear_fp8_partials then qk_rope on its partials, in one launch →
+    (partials [S, R, W], q, k, v): the same bits as the two launches (the partials are the
+    linear's programs' own; the last program of each head group to store runs qk_rope's row
+    code, module docstring of kernels/arrival.py). The weight's channel tile and the head dim
+    must divide one another (both powers of two). Arguments as the two wrappers'."""
+    r, k, width, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
+    call = _prepare(width, r, x.device, q_norm_weight, k_norm_weight, positions, table, n_live,
+                    num_q_heads, num_kv_heads, eps, q_out, k_out, v_out, cache)
+    d = width // call.heads
+    if d & (d - 1) or max(d, cfg.block_n) % min(d, cfg.block_n):
+        raise ValueError(f"qkv_rope: the head dim {d} and the weight's channel tile "
+                         f"{cfg.block_n} must divide one another (powers of two)")
+    group_heads = max(1, cfg.block_n // d)
+    groups = -(-call.heads // group_heads)
+    if not isinstance(scratch, QkvRopeScratch) or scratch.counters.device != x.device:
+        raise ValueError(f"scratch: expected a QkvRopeScratch on {x.device}")
+    if groups > scratch.counters.numel():
+        raise ValueError(f"qkv_rope: {groups} head groups exceed the scratch's "
+                         f"{scratch.counters.numel()} counters")
+    xq, sx = (quantize_act(x, call.n, pdl=pdl) if quantized is None
+              else check_quantized("quantized", quantized, r, k, x.device))
+    parts = _partials_buffer(partials, s, r, width, x.device)
+    _qkv_rope_kernel[(triton.cdiv(width, cfg.block_n), s)](
+        xq, sx, weight, scale_inv, call.n, parts, scratch.counters, *call.pointers,
+        r, width, table.positions, call.capacity, float(eps),
+        xq.stride(0), sx.stride(0), *weight.stride(), *scale_inv.stride(), parts.stride(0),
+        parts.stride(1), *call.strides,
+        K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, GROUP_HEADS=group_heads,
+        ARRIVALS=group_heads * d // cfg.block_n * s, S=s, **call.constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_opts(pdl),
+    )
+    return parts, call.q, call.k, call.v

@@ -12,7 +12,7 @@ import torch
 
 from reference import ops
 from reference.twins.kv_cache import write_ref
-from reference.twins.linear import _n_live, reduce_splits_ref
+from reference.twins.linear import _n_live, linear_fp8_partials_ref, reduce_splits_ref
 
 
 def head_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,3 +55,15 @@ def qk_rope_ref(
     if cache is not None:
         write_ref(cache, k, v, positions, n)
     return q, k, v
+
+
+def qkv_rope_ref(
+    x, weight, scale_inv, q_norm_weight, k_norm_weight, positions, table, n_live=None, *,
+    num_q_heads: int, num_kv_heads: int, eps: float, splits: int, cache=None,
+):
+    """Twin of kernels.qk_rope.qkv_rope → (partials [S, n, W] FP32, q, k, v):
+    linear_fp8_partials_ref then qk_rope_ref on those partials."""
+    parts = linear_fp8_partials_ref(x, weight, scale_inv, n_live, splits=splits)
+    return (parts, *qk_rope_ref(parts, q_norm_weight, k_norm_weight, positions, table,
+                                parts.shape[1], num_q_heads=num_q_heads,
+                                num_kv_heads=num_kv_heads, eps=eps, cache=cache))

@@ -486,11 +486,15 @@ def test_traced_launch_orders_its_stamps_gpu(device):
     assert (route[:, 4:7].sum(dim=0) == route[last, 4:7].flatten()).all(), "only the last finishes"
     sm = t[:, SM_SLOT]
     assert ((sm >= 0) & (sm < torch.cuda.get_device_properties(0).multi_processor_count)).all()
+    # one program per row (the pinned launch runs rows in column chunks: more programs, whose
+    # stamps tests/kernels/test_row_chunks.py does not read)
+    rows_cfg = replace(base, moe_chunk_groups=0)
     mo_trace = new_trace(case.rows, device)
     mo = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
-                  ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True, trace=mo_trace)
+                  ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True, trace=mo_trace,
+                  config=rows_cfg)
     plain = moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
-                     ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True)
+                     ffn_out_scale=FFN_SCALE, max_polls=4, quantize=True, config=rows_cfg)
     torch.cuda.synchronize()
     assert torch.equal(mo.xn[:6].cpu().view(torch.int16), plain.xn[:6].cpu().view(torch.int16))
     m = mo_trace.cpu()

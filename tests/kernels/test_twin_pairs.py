@@ -22,6 +22,7 @@ HELPERS = {
     "launch": "rows",  # pdl_enter, the griddepcontrol wait every PDL kernel inlines
     "timeline": "tails",  # the timestamps a traced tail stores (no value of the op changes)
     "row_chunks": "tails",  # the tails' column-chunk rows (the row program's values, staged)
+    "arrival": "qk_rope",  # the last-arrival handoff (row_chunks, and qkv_rope's fold)
 }
 # an op whose twins-table call is another twin with the same values, and why
 SAME_VALUES = {
