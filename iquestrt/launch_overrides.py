@@ -4,16 +4,17 @@ process (`python -m benchmarks.rank --launch moe.down_rows=1`).
 
 Empty (the default) means the pinned configuration of every shape, unchanged:
 kernels/moe_launch.py `moe_launch`, kernels/sampler `sampler_launch`, kernels/tails_launch.py
-`tail_launch`. An override replaces named fields of the pinned configuration at each call
-(dataclasses.replace, so the configuration's own checks run). Most fields change no bit (channel
-tiles, warps, stages, sampler tiles and selection, the MoE's moved launches, the packed top-k,
-the router's prefetched weights, the tails' column chunks);
-MoeLaunch.gate_up_k_blocks does (it moves the gate/up K split), within the tolerance rows.
+`tail_launch`, kernels/qk_rope.py `qkv_launch`. An override replaces named fields of the pinned
+configuration at each call (dataclasses.replace, so the configuration's own checks run). Most
+fields change no bit (channel tiles, warps, stages, sampler tiles and selection, the MoE's moved
+launches, the packed top-k, the router's prefetched weights, the tails' column chunks, the QKV
+launch's folded qk_rope); MoeLaunch.gate_up_k_blocks does (it moves the gate/up K split), within
+the tolerance rows.
 
-Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample. The
-TP shard sampling steps (iquestrt/tp/sampling.py) keep the pinned configuration.
+Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample,
+qkv_rope. The TP shard sampling steps (iquestrt/tp/sampling.py) keep the pinned configuration.
 
-Text form: comma-separated `family.field=value`, families moe / sampler / tails, e.g.
+Text form: comma-separated `family.field=value`, families moe / sampler / tails / qkv, e.g.
 `moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4`; booleans as 0/1/true/false/on/off.
 """
 
@@ -23,10 +24,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from kernels.moe_launch import MoeLaunch, moe_launch
+from kernels.qk_rope import QkvLaunch, qkv_launch
 from kernels.sampler import SamplerLaunch, sampler_launch
 from kernels.tails_launch import TailLaunch, tail_launch
 
-FAMILIES = {"moe": MoeLaunch, "sampler": SamplerLaunch, "tails": TailLaunch}
+FAMILIES = {"moe": MoeLaunch, "sampler": SamplerLaunch, "tails": TailLaunch, "qkv": QkvLaunch}
 _BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 Fields = tuple[tuple[str, object], ...]  # (field, value) pairs in the order given
@@ -39,7 +41,7 @@ class LaunchOverrideError(ValueError):
 def _probes() -> dict:
     """A pinned configuration of each family (real TP8-rank shapes), to check overrides on."""
     return {"moe": moe_launch(3072, 192), "sampler": sampler_launch(20000),
-            "tails": tail_launch(3072, 256)}
+            "tails": tail_launch(3072, 256), "qkv": qkv_launch()}
 
 
 def _value(family: str, name: str, text: str) -> object:
@@ -68,6 +70,7 @@ class LaunchOverrides:
     moe: Fields = ()  # over moe_launch(hidden, inter, device type)
     sampler: Fields = ()  # over sampler_launch(vocabulary columns per row)
     tails: Fields = ()  # over tail_launch(hidden[, experts])
+    qkv: Fields = ()  # over qkv_launch()
 
     def __post_init__(self) -> None:
         probes = _probes()
@@ -113,6 +116,9 @@ class LaunchOverrides:
         if not self.sampler:
             return None
         return dataclasses.replace(sampler_launch(columns), **dict(self.sampler))
+
+    def qkv_config(self) -> QkvLaunch:
+        return dataclasses.replace(qkv_launch(), **dict(self.qkv))
 
     def tail_config(self, hidden: int, experts: int = 0) -> TailLaunch | None:
         if not self.tails:

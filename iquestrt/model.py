@@ -1,8 +1,9 @@
 """The runtime target forward: ≤ max_width live rows of consecutive positions in a padded buffer,
 built from the ops table (iquestrt/ops.py). Prefill runs the same forward over chunks.
 
-Per layer: linear_fp8 QKV (split-K partials) → qk_rope (which writes the layer's K/V cache in the
-same launch) → attention → linear_fp8 O (partials) → attention tail → FFN → the next layer's
+Per layer: qkv_rope — the QKV projection's split-K partials, then qk_rope on them, which writes
+the layer's K/V cache in the same launch (the kernels table can fold both into one launch) →
+attention → linear_fp8 O (partials) → attention tail → FFN → the next layer's
 normalized input.
   * layers ≥ 1: attn_tail (residual base xn, attn_out_norm, feed_forward_norm and the folded FP32
     router: h, f_in, ids, weights) → moe_fp8 → moe_tail (f = bf16(Σ), x = h + f·scale and the
@@ -50,13 +51,14 @@ def attention_block(ops, cfg_t, aw: AttnWeights, xn, pos, live: Live, cache, tab
     qkv_view: maps the QKV partials to [S, R, (Hq + 2·Hkv)·D] (a tensor-parallel rank's padded
     block layout, iquestrt/tp/plan.py); None: they are laid out so already. xq: (E4M3 [R, H],
     scales [R, ⌈H/128⌉]) = quantize_act(xn) from the previous MoE tail, or None."""
-    parts = ops.linear_fp8_partials(xn, aw.qkv, live, xq=xq)  # [S, R, (Hq + 2·Hkv)·D]
-    if qkv_view is not None:
-        parts = qkv_view(parts).contiguous()
-    q, _, _ = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live,
-                          num_q_heads=cfg_t.num_attention_heads,
-                          num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps,
-                          cache=cache)
+    heads = dict(num_q_heads=cfg_t.num_attention_heads,
+                 num_kv_heads=cfg_t.num_key_value_heads, eps=cfg_t.rms_norm_eps, cache=cache)
+    if qkv_view is None:  # the partials [S, R, (Hq + 2·Hkv)·D] and q, k, v, maybe one launch
+        _, q, _, _ = ops.qkv_rope(xn, aw.qkv, aw.q_norm, aw.k_norm, pos, table, live, xq=xq,
+                                  **heads)
+    else:
+        parts = qkv_view(ops.linear_fp8_partials(xn, aw.qkv, live, xq=xq)).contiguous()
+        q, _, _ = ops.qk_rope(parts, aw.q_norm, aw.k_norm, pos, table, live, **heads)
     scale = cfg_t.head_dim**-0.5
     if quantize_o:
         o, oq = ops.attention_q(q, cache, pos, live, aw.sink_k, scale)  # [R, Hq, D]

@@ -95,6 +95,15 @@ class OpTable(Protocol):
         their positions' slots (ring slot p mod capacity on a sliding layer) with the slots'
         position labels; a negative position stores nothing."""
 
+    def qkv_rope(self, x: Tensor, lin: Fp8Linear, q_norm: Tensor | None,
+                 k_norm: Tensor | None, positions: Tensor, table: RopeTable, live: Live, *,
+                 num_q_heads: int, num_kv_heads: int, eps: float,
+                 xq: tuple[Tensor, Tensor] | None = None, cache: LayerKV | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The attention prologue: linear_fp8_partials(x, lin, live, xq) then qk_rope on those
+        partials (with the cache's write) → (partials [S, R, (Hq + 2·Hkv)·D], q, k, v). The
+        kernels table may run both in one launch (QkvLaunch.fold_rope: the same bits)."""
+
     def rollback(self, cache: LayerKV, keep: int | Tensor, written: int | Tensor) -> None:
         """Positions [keep, written) are no longer in the cache: their slots are relabelled
         empty (at most ROLLBACK_ROWS of them); host ints, or device [1] scalars."""

@@ -68,15 +68,18 @@ class KernelOps:
         self._route_scratch: dict[tuple[int, int], RouteScratch] = {}  # the draft's route_rows
         self.moe_scratch = k_moe.MoeScratch.create(device)  # the folded SiLU's counters
         self.row_chunks = RowChunkScratch.create(device)  # the chunked tails' counters
+        self.qkv = self.launches.qkv_config()
+        self.qkv_scratch = k_qk.QkvRopeScratch.create(device)  # the folded prologue's counters
         # rollback_layers' device tables, one per list of caches (LayerTable.key); never
         # dropped: a captured round graph keeps reading the one it captured
         self._layer_tables: dict[tuple, k_kv.LayerTable] = {}
 
     def reset(self) -> None:
-        """After a failure flag: restore the router, MoE and row-chunk scratch invariants
-        (kernels/tails.py, kernels/moe.py, kernels/row_chunks.py)."""
+        """After a failure flag: restore the router, MoE, row-chunk and folded-QKV scratch
+        invariants (kernels/tails.py, kernels/moe.py, kernels/row_chunks.py,
+        kernels/qk_rope.py)."""
         for s in [*self._scratch.values(), *self._route_scratch.values(), self.moe_scratch,
-                  self.row_chunks]:
+                  self.row_chunks, self.qkv_scratch]:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
@@ -89,6 +92,16 @@ class KernelOps:
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype, pdl=self.pdl)
+
+    def qkv_rope(self, x, lin: Fp8Linear, q_norm, k_norm, positions, table, live: Live, *,
+                 num_q_heads, num_kv_heads, eps, xq=None, cache=None):
+        """QkvLaunch.fold_rope: one launch (kernels/qk_rope.py qkv_rope), else the two."""
+        args = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, cache=cache)
+        if self.qkv.fold_rope:
+            return k_qk.qkv_rope(x, lin.w, lin.s, q_norm, k_norm, positions, table, live.t,
+                                 scratch=self.qkv_scratch, quantized=xq, pdl=self.pdl, **args)
+        parts = self.linear_fp8_partials(x, lin, live, xq=xq)
+        return (parts, *self.qk_rope(parts, q_norm, k_norm, positions, table, live, **args))
 
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
                 num_kv_heads, eps, cache=None):

@@ -125,6 +125,15 @@ class TwinOps:
                                                                      out_dtype=out_dtype))
         return _padded(y, x.shape[0], self.dev)
 
+    def qkv_rope(self, x, lin: Fp8Linear, q_norm, k_norm, positions, table, live: Live, *,
+                 num_q_heads, num_kv_heads, eps, xq=None, cache=None):
+        """qkv_rope_ref's composition through this table's own two ops (a stand-in replacing
+        qk_rope reaches it)."""
+        parts = self.linear_fp8_partials(x, lin, live, xq=xq)
+        return (parts, *self.qk_rope(parts, q_norm, k_norm, positions, table, live,
+                                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                                     eps=eps, cache=cache))
+
     def qk_rope(self, parts, q_norm, k_norm, positions, table, live: Live, *, num_q_heads,
                 num_kv_heads, eps, cache=None):
         outs = [t_qk.qk_rope_ref(parts[:, r : r + 1], q_norm, k_norm, positions[r : r + 1],

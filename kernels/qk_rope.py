@@ -73,6 +73,19 @@ def rope_table(max_positions: int, rotary_dim: int, theta: float, device,
 
 
 @dataclass(frozen=True)
+class QkvLaunch:
+    """How the runtime's attention prologue launches (iquestrt/ops_kernels.py qkv_rope)."""
+
+    fold_rope: bool = False  # the QKV projection and qk_rope in one launch (qkv_rope below)
+
+
+def qkv_launch() -> QkvLaunch:
+    """Pinned: the two launches (linear_fp8_partials, then qk_rope) until the fold is measured
+    in the round (`benchmarks.rank --launch qkv.fold_rope=1`)."""
+    return QkvLaunch()
+
+
+@dataclass(frozen=True)
 class QkRopeLaunch:
     rows_per_program: int = 1  # BR: rows of one head per program (a power of two)
     num_warps: int = 1  # one program per (row, head): D ≤ 256 values

@@ -53,7 +53,10 @@ def tail_launch(hidden: int, experts: int = 0) -> TailLaunch:
     The MoE tail in chunks of 2 groups (256 columns: 12 programs per row at H = 3072): on the
     H100 0.7–1.1 % faster rounds than one program per row (widths 6 / 8 × 1K / 4K), chunks of 2
     ahead of 4 and 8 (reports/benchmarks/h100-2026-12-06c/, measured on the chunk design of
-    637a31f). The attention tail's chunks (attn_chunk_groups) stay off until measured."""
+    637a31f); on the H200 at 70dd9f0 (reports/benchmarks/h200-2026-12-06c/, alternating in the
+    round) one program per row is 6.8–7.7 % slower than chunks of 2 at widths 6 / 8 × 1K / 4K,
+    and the round 1.0–1.1 % faster than 6e8ae0c's (separate processes). The attention tail's
+    chunks (attn_chunk_groups) stay off: 2 and 4 groups are 1.0–1.6 % slower rounds there."""
     if experts >= 64:
         return TailLaunch(block_e=2, block_k=min(1024, pow2(hidden)), count_ready=True,
                           group_finish=True, prefetch_w=True, moe_chunk_groups=2)

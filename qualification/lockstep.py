@@ -184,6 +184,33 @@ class Lockstep:
         return got
 
     # --- attention ---------------------------------------------------------------------------
+    def qkv_rope(self, x, lin, q_norm, k_norm, positions, table, live, *, num_q_heads,
+                 num_kv_heads, eps, xq=None, cache=None):
+        """The kernel's partials summed against the twin's GEMM (kernels.linear_fp8's row);
+        its q, k, v and cache against the twin's qk_rope on those same partials (exact)."""
+        where = self._part(lin)
+        self._producer_quantization(x, xq, live, "MoE")
+        twin_cache = None
+        if cache is not None:
+            self._part(cache)
+            twin_cache = cache.clone()
+        heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
+        got = self.k.qkv_rope(x, lin, q_norm, k_norm, positions, table, live, xq=xq,
+                              cache=cache, **heads)
+        n = live.n
+        total = got[0][0, :n].clone()
+        for s in range(1, got[0].shape[0]):
+            total += got[0][s, :n]
+        self._cmp(total, self.t.linear_fp8_partials(x, lin, live)[0, :n], "kernels.linear_fp8",
+                  "fp32", where)
+        want = self.t.qk_rope(got[0], q_norm, k_norm, positions, table, live,
+                              cache=twin_cache, **heads)
+        for g, w in zip(got[1:], want, strict=True):
+            self._cmp(g[:n], w[:n], "kernels.qk_rope", "bf16")
+        if cache is not None:
+            self._same_cache(cache, twin_cache)
+        return got
+
     def qk_rope(self, parts, *a, cache=None, **kw):
         """With a cache the kernel writes it, the twin a clone of it taken before: q, k, v and
         the cache's K, V and labels compared."""

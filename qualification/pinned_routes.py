@@ -120,12 +120,23 @@ class KVRecorder:
         q, k, v = self.inner.qk_rope(parts, q_norm, k_norm, positions, table, live,
                                      num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                                      eps=eps, cache=cache)
+        self._record(cache, positions, live, k, v)
+        return q, k, v
+
+    def qkv_rope(self, x, lin, q_norm, k_norm, positions, table, live, *, num_q_heads,
+                 num_kv_heads, eps, xq=None, cache=None):
+        out = self.inner.qkv_rope(x, lin, q_norm, k_norm, positions, table, live,
+                                  num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps,
+                                  xq=xq, cache=cache)
+        self._record(cache, positions, live, out[2], out[3])
+        return out
+
+    def _record(self, cache, positions, live, k, v) -> None:
         if cache is not None:  # k, v [R, Hkv, D]: the rows just written
             n = live.n
             rows = self.rows.setdefault(id(cache), {})
             for p, kr, vr in zip(positions[:n].tolist(), k[:n].cpu(), v[:n].cpu(), strict=True):
                 rows[p] = (kr, vr)
-        return q, k, v
 
     def kv(self, caches) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         out = {}

@@ -15,7 +15,7 @@ FAMILIES = (
     ("tails", ("_attn_tail", "_moe_tail")),
     ("moe", ("_moe_",)),
     ("attention", ("_split_kernel", "_combine_kernel")),
-    ("linear", ("_linear", "_reduce_splits", "_eh_proj")),
+    ("linear", ("_linear", "_reduce_splits", "_eh_proj", "_qkv_rope")),  # QKV with qk_rope
     ("act_quant", ("_act_quant",)),
     ("rows", ("_norm_rows", "_silu_mul", "_route_kernel", "_draft_entry")),
     ("qk_rope", ("_qk_rope",)),

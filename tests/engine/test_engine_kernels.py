@@ -202,3 +202,25 @@ def test_lockstep_report_names_op_layer_and_round(ckpt, monkeypatch):
     assert first.startswith("kernels.residual_norm.moe_tail[bf16] L1 round 0"), lock.report()
     assert "outside tolerance" in first
     assert all(f.ok for f in lock.findings.values() if f.layer == "L0"), lock.report()
+
+
+@pytest.mark.slow
+def test_folded_qkv_launch_in_lockstep(ckpt, monkeypatch):
+    """QkvLaunch.fold_rope (every layer's QKV projection and qk_rope in one launch): the strict
+    lockstep gate judges each folded call — q, k, v and the cache exact against the twin's
+    qk_rope on the kernel's own partials, the partials' sum within kernels.linear_fp8's row —
+    through prefill and rounds, and the counters end at 0. (That the fold gives the two
+    launches' bits: tests/kernels/test_qkv_rope.py.)"""
+    from kernels import qk_rope as k_qk
+
+    folded = []
+    real = k_qk.qkv_rope
+    monkeypatch.setattr(k_qk, "qkv_rope", lambda *a, **kw: folded.append(1) or real(*a, **kw))
+    eng = _engine(ckpt, "kernels")
+    eng.ops.qkv = k_qk.QkvLaunch(fold_rope=True)
+    lock = Lockstep(eng, strict=True)
+    res = eng.generate(GenerationRequest(PROMPT, 4, GREEDY, 0))
+    layers = ckpt.cfg.target.num_hidden_layers
+    assert len(folded) >= layers * (len(res.rounds) + 1)  # prefill + every round's forward
+    assert lock.compared > 0 and lock.stopped == ""
+    assert int(eng.ops.qkv_scratch.counters.abs().sum()) == 0

@@ -30,7 +30,7 @@ def test_parse_and_label_round_trip():
 @pytest.mark.parametrize("text, message", [
     ("moe.down_rows", "expected family.field=value"),
     ("down_rows=1", "expected family.field=value"),
-    ("attention.tile=64", "family one of ['moe', 'sampler', 'tails']"),
+    ("attention.tile=64", "family one of ['moe', 'qkv', 'sampler', 'tails']"),
     ("moe.tile=64", "moe.tile: unknown field; MoeLaunch has"),
     ("moe.down_rows=maybe", "moe.down_rows='maybe': expected one of"),
     ("sampler.tile=big", "sampler.tile='big': expected an integer"),
@@ -96,3 +96,34 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     assert seen["sample"] == dataclasses.replace(sampler_launch(512), tile=2048)
     assert seen["attn_tail"] == dataclasses.replace(tail_launch(256, 16), unroll_k=True)
     assert seen["moe_tail"] == dataclasses.replace(tail_launch(256), unroll_k=True)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_qkv_fold_picks_the_launch(monkeypatch, fold):
+    """qkv.fold_rope=1: KernelOps.qkv_rope is the one folded launch (with the table's scratch
+    and the producer's quantization); pinned: linear_fp8_partials then qk_rope."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    o = LaunchOverrides.parse("qkv.fold_rope=1" if fold else "")
+    assert o.qkv_config().fold_rope is fold
+    ops = ops_kernels.KernelOps(torch.device("cpu"), 1, launches=o)
+    calls: list = []
+
+    def folded(*args, scratch=None, quantized=None, **kw):
+        calls.append(("qkv_rope", scratch, quantized))
+        return "parts", "q", "k", "v"
+
+    monkeypatch.setattr(ops_kernels.k_qk, "qkv_rope", folded)
+    monkeypatch.setattr(ops_kernels.k_linear, "linear_fp8_partials",
+                        lambda *a, quantized=None, **kw: calls.append(("linear", quantized))
+                        or "parts")
+    monkeypatch.setattr(ops_kernels.k_qk, "qk_rope",
+                        lambda parts, *a, **kw: calls.append(("qk_rope", parts)) or ("q", "k", "v"))
+    lin = type("L", (), {"w": None, "s": None})()
+    xq = ("xq", "sx")
+    got = ops.qkv_rope(None, lin, None, None, None, None, Live.of(2, "cpu"), num_q_heads=2,
+                       num_kv_heads=1, eps=1e-6, xq=xq)
+    assert got == ("parts", "q", "k", "v")
+    if fold:
+        assert calls == [("qkv_rope", ops.qkv_scratch, xq)]
+    else:
+        assert calls == [("linear", xq), ("qk_rope", "parts")]

@@ -28,6 +28,8 @@ HELPERS = {
 SAME_VALUES = {
     "linear_fp8_partials": ("linear_fp8_ref", "the twin is one GEMM: a single partial, whose "
                             "sum is linear_fp8's value"),
+    "qkv_rope": ("qk_rope_ref", "the twins table runs its own linear_fp8_partials and qk_rope "
+                 "(qkv_rope_ref's composition), so a stand-in replacing qk_rope reaches it"),
     "rollback_layers": ("rollback_ref", "the twins table rolls each cache back through its own "
                         "rollback (rollback_layers_ref's loop), so a stand-in replacing "
                         "rollback reaches every layer"),
