@@ -82,25 +82,25 @@ def _linear_fp8_kernel(
     inside the K loop made every program redo ~2k IEEE divisions per 128-column block, which
     left the H200 run at 5-8% of HBM bandwidth (reports/benchmarks/h200-2026-11-29)."""
     pdl_enter(PDL)
+    fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride_xr, stride_sxr,
+                stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_or, stride_on, K,
+                KB, BLOCK_N, BLOCK_R, OUT_BF16)
+
+
+@triton.jit
+def fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride_xr,
+                stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_or,
+                stride_on, K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr):
+    """Program (tile, split) = program ids (0, 1): channels tile·BN … over column blocks
+    [split·KB, (split+1)·KB), its [BN, BR] product stored into out[split] → (rows [BR], the
+    live row count) (kernels/qk_rope.py's folded QKV launch runs it too)."""
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     live = rows < n_live
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
     cm = c < N
-    acc = fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr,
-                   stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, K, KB, BLOCK_N,
-                   BLOCK_R)
-    _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
-                OUT_BF16)
-
-
-@triton.jit
-def fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr, stride_sxr,
-             stride_wn, stride_wk, stride_sn, stride_sk, K: tl.constexpr, KB: tl.constexpr,
-             BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Program (tile, split)'s FP32 product [BN, BR]: channels c over column blocks
-    [split·KB, (split+1)·KB) (kernels/qk_rope.py's folded QKV launch inlines it too)."""
     w_rows = w_ptr + c.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
     acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     for i in range(KB):  # block kb of this split; past the last block every load is masked (0)
@@ -117,7 +117,9 @@ def fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr,
                      other=0.0)  # [BN]: each channel's own block row
         part = tl.dot(w.to(tl.float16), tl.trans(xq.to(tl.float16)))  # [BN, BR]
         acc += part * (sw[:, None] * sx[None, :])
-    return acc
+    _store_tile(out_ptr + split * stride_os, acc, rows, live, c, cm, stride_or, stride_on,
+                OUT_BF16)
+    return rows, n_live
 
 
 @triton.jit

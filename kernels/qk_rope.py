@@ -40,7 +40,7 @@ from kernels.checks import check_quantized, check_tensor, live_count
 from kernels.fp8 import bf16_rne, quantize_act
 from kernels.kv_cache import check_cache
 from kernels.launch import launch_opts, pdl_enter
-from kernels.linear import BLOCK_R, _check_fp8_args, _partials_buffer, _store_tile, fp8_tile
+from kernels.linear import BLOCK_R, _check_fp8_args, _partials_buffer, fp8_program
 from kernels.linear_launch import LinearLaunch
 from kernels.twin import twin
 from reference import ops
@@ -242,16 +242,10 @@ def _qkv_rope_kernel(
     the standalone kernel's code on the group's heads for every row at once, reading the
     partials the others stored (volatile)."""
     pdl_enter(PDL)
-    n_rows = tl.minimum(tl.load(n_live_ptr), R)
-    split = tl.program_id(1)
-    rows = tl.arange(0, BLOCK_R)  # [BR]
-    live = rows < n_rows
-    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
-    cm = c < N
-    acc = fp8_tile(xq_ptr, sx_ptr, w_ptr, ws_ptr, rows, live, c, cm, split, stride_xr,
-                   stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, K, KB, BLOCK_N,
-                   BLOCK_R)
-    _store_tile(parts_ptr + split * stride_ps, acc, rows, live, c, cm, stride_pr, 1, False)
+    rows, n_rows = fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, parts_ptr, R, N,
+                               stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn,
+                               stride_sk, stride_ps, stride_pr, 1, K, KB, BLOCK_N, BLOCK_R,
+                               False)
     group = tl.program_id(0) * BLOCK_N // (GROUP_HEADS * D)
     if last_arrival(cnt_ptr + group, ARRIVALS):
         for h in tl.static_range(GROUP_HEADS):
