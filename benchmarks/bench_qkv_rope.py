@@ -174,11 +174,15 @@ def main(argv=None) -> int:
 
     res = run(cfg)
     env = dict(code=code_identity(), gpu=torch.cuda.get_device_name(0),
-               torch=torch.__version__, command=" ".join(sys.argv), config=asdict(cfg))
+               torch=torch.__version__, config=asdict(cfg),
+               command=" ".join(["python -m benchmarks.bench_qkv_rope", *sys.argv[1:]]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_qkv_rope.json").write_text(json.dumps({**env, **res}, indent=1))
+    code = env["code"]
     md = (f"# QKV + qk_rope: one folded launch vs two — {env['gpu']}\n\n"
-          f"Code {env['code']}, torch {env['torch']}. Command: `{env['command']}`. "
+          f"Commit {code.get('commit')} ({len(code.get('dirty') or [])} files changed in the "
+          f"tree), source digest {code.get('source_digest', '?')[:16]}, torch {env['torch']}. "
+          f"Command: `{env['command']}`. "
           f"{cfg.layers} layers per graph, {cfg.sets} sets of {cfg.trials} alternating trials."
           f"\n\n{table_md(res['results'])}\n")
     (args.out / "bench_qkv_rope.md").write_text(md)

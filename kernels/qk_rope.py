@@ -80,8 +80,16 @@ class QkvLaunch:
 
 
 def qkv_launch() -> QkvLaunch:
-    """Pinned: the two launches (linear_fp8_partials, then qk_rope) until the fold is measured
-    in the round (`benchmarks.rank --launch qkv.fold_rope=1`)."""
+    """Pinned: the two launches (linear_fp8_partials, then qk_rope). The fold is slower on the
+    H200 at 98c5cff (reports/benchmarks/h200-2026-12-06c/call2/): rounds 1.9–2.1 % longer at
+    1K widths 6 and 8 (`benchmarks.rank --launch qkv.fold_rope=1`, alternating), and per layer
+    8.20 / 8.54 µs vs 6.80 / 6.83 µs at 1 / 6 rows (`benchmarks.bench_qkv_rope`, 87 layers per
+    graph). The launch it saves (≈ 1 µs in a graph) costs less than what the fold puts on the
+    critical path: every program's acq_rel arrival, then one program per head doing the whole
+    qk_rope of its head after the slowest tile of the group — the serial tail the MoE's folded
+    SiLU showed too (kernels/moe_launch.py). Worth revisiting if the finish can start before
+    the last tile (rows split across several finishers, or the finish overlapped with the
+    next launch through PDL)."""
     return QkvLaunch()
 
 

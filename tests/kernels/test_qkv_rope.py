@@ -156,8 +156,11 @@ def test_fused_launch_gives_the_two_launches_bits(case, device):
 
 def test_a_broken_handoff_is_caught(device):
     """Control: a counter left at 1 by an aborted launch makes the group's finish run one
-    arrival early — on a partial still NaN in the workspace — so the comparison above fails
-    (and reset() restores the invariant)."""
+    arrival early, and the group's last arrival leaves the counter at 1 — the invariant check
+    above fails on every device; under the interpreter (programs one after another) the early
+    finish also reads a partial still NaN in the workspace, so the comparison fails too (on a
+    GPU the missing partial is usually stored by then: a race, not asserted). reset()
+    restores the invariant."""
     case = CASES[0]
     d = inputs(case, 40, device)
     table = rope_table(4096, case.rot, 1e4, device)
@@ -166,7 +169,9 @@ def test_a_broken_handoff_is_caught(device):
     scratch.counters[0] = 1
     cache = filled_cache(case.layout, device)
     got = run_fused(case, d, table, scratch, cache, device)
-    assert "q" in differences(case, got, want, None, None)
+    assert int(scratch.counters[0]) == 1 and int(scratch.counters[1:].abs().sum()) == 0
+    if device.type == "cpu":
+        assert "q" in differences(case, got, want, None, None)
     scratch.reset()
     got = run_fused(case, d, table, scratch, filled_cache(case.layout, device), device)
     assert differences(case, got, want, None, None) == []
