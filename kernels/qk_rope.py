@@ -20,8 +20,9 @@ Where the kernel departs from the FP32 reference on purpose (the twin copies it)
     CPU rsqrt is exactly this), y = (x · r) · w.
   * cos / sin are gathered from a table built by reference.ops.rope_cos_sin (angles in FP64,
     rounded to FP32), so RoPE is the reference's own arithmetic: x1·cos − x2·sin and
-    x2·cos + x1·sin, each product rounded. The kernel is launched with enable_fp_fusion=False,
-    which keeps the GPU from contracting a product and a sum into one FMA.
+    x2·cos + x1·sin, each product rounded: the products are explicit PTX mul.rn, which no FMA
+    contraction touches (the standalone launch also runs with enable_fp_fusion=False; the folded
+    QKV launch cannot, its GEMM's bits are those of the contracted linear kernel).
 Table memory: P × rot × 4 bytes; 524288 positions × 32 dims = 64 MB per RoPE base (two bases in
 IQuest-Q1). Positions outside [0, P) give NaN q and k rows (no host check: n is on the device).
 """
@@ -95,13 +96,7 @@ def qkv_launch() -> QkvLaunch:
 
 @dataclass(frozen=True)
 class QkRopeLaunch:
-    rows_per_program: int = 1  # BR: rows of one head per program (a power of two)
     num_warps: int = 1  # one program per (row, head): D ≤ 256 values
-
-    def __post_init__(self) -> None:
-        if self.rows_per_program < 1 or self.rows_per_program & (self.rows_per_program - 1):
-            raise ValueError(f"QkRopeLaunch.rows_per_program: expected a power of two >= 1, "
-                             f"got {self.rows_per_program}")
 
 
 # --- kernel ----------------------------------------------------------------------------------
@@ -337,11 +332,11 @@ def qk_rope(
     if r == 0:
         return call.q, call.k, call.v
     cfg = config or QkRopeLaunch()
-    _qk_rope_kernel[(triton.cdiv(r, cfg.rows_per_program), call.heads)](
+    _qk_rope_kernel[(r, call.heads)](
         qkv, *call.pointers[:4], call.n, *call.pointers[4:],
         r, table.positions, call.capacity, float(eps),
         qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), *call.strides,
-        S=s, BLOCK_R=cfg.rows_per_program, **call.constexprs,
+        S=s, BLOCK_R=1, **call.constexprs,
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return call.q, call.k, call.v

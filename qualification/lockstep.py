@@ -167,13 +167,18 @@ class Lockstep:
         where = self._part(lin)
         o_operand = xq is not None and xq is getattr(self, "o_quantized", None)
         self._producer_quantization(x, xq, live, "combine" if o_operand else "MoE")
-        got, n = self.k.linear_fp8_partials(x, lin, live, xq=xq, out=out), live.n
+        got = self.k.linear_fp8_partials(x, lin, live, xq=xq, out=out)
+        self._check_partials(got, x, lin, live, where)
+        return got
+
+    def _check_partials(self, got, x, lin, live, where) -> None:
+        """The kernel's split-K partials [S, R, N], summed in order, against the twin's GEMM."""
+        n = live.n
         total = got[0, :n].clone()
         for s in range(1, got.shape[0]):
             total += got[s, :n]
         self._cmp(total, self.t.linear_fp8_partials(x, lin, live)[0, :n], "kernels.linear_fp8",
                   "fp32", where)
-        return got
 
     def linear_bf16_f32(self, x, w, live, out_dtype):
         where = self._name(w, self.layer)
@@ -186,46 +191,42 @@ class Lockstep:
     # --- attention ---------------------------------------------------------------------------
     def qkv_rope(self, x, lin, q_norm, k_norm, positions, table, live, *, num_q_heads,
                  num_kv_heads, eps, xq=None, cache=None):
-        """The kernel's partials summed against the twin's GEMM (kernels.linear_fp8's row);
-        its q, k, v and cache against the twin's qk_rope on those same partials (exact)."""
+        """The kernel's partials against the twin's GEMM (kernels.linear_fp8's row); its q, k,
+        v and cache against the twin's qk_rope on those same partials (exact)."""
         where = self._part(lin)
         self._producer_quantization(x, xq, live, "MoE")
-        twin_cache = None
-        if cache is not None:
-            self._part(cache)
-            twin_cache = cache.clone()
+        twin_cache = self._twin_cache(cache)
         heads = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps)
         got = self.k.qkv_rope(x, lin, q_norm, k_norm, positions, table, live, xq=xq,
                               cache=cache, **heads)
-        n = live.n
-        total = got[0][0, :n].clone()
-        for s in range(1, got[0].shape[0]):
-            total += got[0][s, :n]
-        self._cmp(total, self.t.linear_fp8_partials(x, lin, live)[0, :n], "kernels.linear_fp8",
-                  "fp32", where)
-        want = self.t.qk_rope(got[0], q_norm, k_norm, positions, table, live,
-                              cache=twin_cache, **heads)
-        for g, w in zip(got[1:], want, strict=True):
-            self._cmp(g[:n], w[:n], "kernels.qk_rope", "bf16")
-        if cache is not None:
-            self._same_cache(cache, twin_cache)
+        self._check_partials(got[0], x, lin, live, where)
+        self._check_rope(got[1:], got[0], (q_norm, k_norm, positions, table, live), heads,
+                         cache, twin_cache)
         return got
 
     def qk_rope(self, parts, *a, cache=None, **kw):
         """With a cache the kernel writes it, the twin a clone of it taken before: q, k, v and
         the cache's K, V and labels compared."""
-        twin_cache = None
-        if cache is not None:
-            self._part(cache)
-            twin_cache = cache.clone()
+        twin_cache = self._twin_cache(cache)
         got = self.k.qk_rope(parts, *a, cache=cache, **kw)
+        self._check_rope(got, parts, a, kw, cache, twin_cache)
+        return got
+
+    def _twin_cache(self, cache):
+        """A clone of the cache for the twin to write (None without a cache)."""
+        if cache is None:
+            return None
+        self._part(cache)
+        return cache.clone()
+
+    def _check_rope(self, got, parts, a, kw, cache, twin_cache) -> None:
+        """q, k, v (and the cache the kernel wrote) against the twin's qk_rope on `parts`."""
         want = self.t.qk_rope(parts, *a, cache=twin_cache, **kw)
         n = a[4].n
         for g, w in zip(got, want, strict=True):
             self._cmp(g[:n], w[:n], "kernels.qk_rope", "bf16")
         if cache is not None:
             self._same_cache(cache, twin_cache)
-        return got
 
     def _same_cache(self, cache, twin_cache) -> None:
         for f in ("k", "v", "slot_pos"):
