@@ -113,7 +113,7 @@ def _moe_gate_up_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr,
     FOLD: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr,
-    PDL: tl.constexpr,
+    HOIST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
@@ -130,6 +130,32 @@ def _moe_gate_up_kernel(
     s_e = fcs_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    if HOIST:
+        acc_g, acc_u = _gate_up_hoisted(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm,
+                                        j, stride_xqr, stride_xsr, stride_fn, stride_fk,
+                                        stride_sn, stride_sk, H, I, K_BLOCKS)
+    else:
+        acc_g, acc_u = _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j,
+                                     stride_xqr, stride_xsr, stride_fn, stride_fk, stride_sn,
+                                     stride_sk, H, I, K_BLOCKS)
+    # every slot (r, k) routed to e gets the row's partials: part[j, slot, c] gate, [.., I + c] up
+    slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
+    dst = p_ptr + j * stride_pj + slot[None, :, :] * stride_ps + c[:, None, None]  # [BN, BR, KP]
+    sm = cm[:, None, None] & hit[None, :, :]
+    tl.store(dst, acc_g[:, :, None], mask=sm)
+    tl.store(dst + I, acc_u[:, :, None], mask=sm)
+    if FOLD:
+        _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
+                   stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+                   I, K, K_PAD, KS, GROUPS, QUANT, BLOCK_R)
+
+
+@triton.jit
+def _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, stride_xqr,
+                  stride_xsr, stride_fn, stride_fk, stride_sn, stride_sk, H: tl.constexpr,
+                  I: tl.constexpr, K_BLOCKS: tl.constexpr):
+    """acc_g, acc_u [BN, BR] += gate and up tiles c of expert e (w_e, s_e) times the routed
+    rows' activations over K split j's hidden blocks, each block scaled in FP32."""
     for b in range(0, K_BLOCKS):
         k0 = (j * K_BLOCKS + b) * 128
         hc = k0 + tl.arange(0, 128)  # [128] hidden columns of this scale block
@@ -149,16 +175,46 @@ def _moe_gate_up_kernel(
         xh = xq.to(tl.float16)
         acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
         acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
-    # every slot (r, k) routed to e gets the row's partials: part[j, slot, c] gate, [.., I + c] up
-    slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
-    dst = p_ptr + j * stride_pj + slot[None, :, :] * stride_ps + c[:, None, None]  # [BN, BR, KP]
-    sm = cm[:, None, None] & hit[None, :, :]
-    tl.store(dst, acc_g[:, :, None], mask=sm)
-    tl.store(dst + I, acc_u[:, :, None], mask=sm)
-    if FOLD:
-        _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
-                   stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
-                   I, K, K_PAD, KS, GROUPS, QUANT, BLOCK_R)
+    return acc_g, acc_u
+
+
+@triton.jit
+def _gate_up_hoisted(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, stride_xqr,
+                     stride_xsr, stride_fn, stride_fk, stride_sn, stride_sk, H: tl.constexpr,
+                     I: tl.constexpr, K_BLOCKS: tl.constexpr):
+    """The gate/up K loop (MoeLaunch.gate_up_hoist) with the split's activation scales and gate
+    and up weight scales loaded before it, so the loop waits only on the tiles the pipeliner
+    carries through cp.async (see `_down_rows_hoisted`). The same operations on the same values
+    in the same order as the loop in `_moe_gate_up_kernel`: the same bits."""
+    KB: tl.constexpr = triton.next_power_of_2(K_BLOCKS)
+    bs = tl.arange(0, KB)
+    k0s = (j * K_BLOCKS + bs) * 128  # [KB] first hidden column of each block
+    bm = (bs < K_BLOCKS) & (k0s < H)  # the last split may be short
+    xs_all = tl.load(xs_ptr + rows[:, None] * stride_xsr + (k0s // 128)[None, :],
+                     mask=uses[:, None] & bm[None, :], other=0.0)  # [BR, KB]
+    sm = bm[:, None] & cm[None, :]
+    sg_all = tl.load(s_e + (c // 128)[None, :] * stride_sn + (k0s // 128)[:, None] * stride_sk,
+                     mask=sm, other=0.0)  # [KB, BN]
+    su_all = tl.load(s_e + ((I + c) // 128)[None, :] * stride_sn
+                     + (k0s // 128)[:, None] * stride_sk, mask=sm, other=0.0)  # [KB, BN]
+    for b in range(0, K_BLOCKS):
+        k0 = (j * K_BLOCKS + b) * 128
+        hc = k0 + tl.arange(0, 128)  # [128] hidden columns of this scale block
+        km = hc < H
+        xq = tl.load(xq_ptr + rows[None, :] * stride_xqr + hc[:, None],
+                     mask=km[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
+        wm = cm[:, None] & km[None, :]
+        wg = tl.load(w_e + c[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm, other=0.0)
+        wu = tl.load(w_e + (I + c)[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm,
+                     other=0.0)  # [BN, 128] E4M3
+        sel = bs == b  # one-hot sums: exact (positive scales, no −0)
+        xs = tl.sum(tl.where(sel[None, :], xs_all, 0.0), axis=1)  # [BR]
+        sg = tl.sum(tl.where(sel[:, None], sg_all, 0.0), axis=0)  # [BN]
+        su = tl.sum(tl.where(sel[:, None], su_all, 0.0), axis=0)
+        xh = xq.to(tl.float16)
+        acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
+        acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
+    return acc_g, acc_u
 
 
 @triton.jit
@@ -320,7 +376,8 @@ def _moe_down_rows_kernel(
     stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk,
     stride_wr, stride_wk, stride_or,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
     K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
@@ -338,6 +395,12 @@ def _moe_down_rows_kernel(
     col = tl.arange(0, BLOCK_R)
     mine = col == r  # [BR] the operand's column
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HOIST:
+        _down_rows_hoisted(out, r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
+                           out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
+                           stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
+                           stride_wk, stride_or, I, K, OUT_BF16)
+        return
     for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
         s = r * K + kk
         e = tl.load(ids_ptr + r * stride_ir + kk * stride_ik)
@@ -351,6 +414,61 @@ def _moe_down_rows_kernel(
                               stride_pk, stride_sn, stride_sk, I, KS, SILU)
         y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
         out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
+    if OUT_BF16:
+        tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
+    else:
+        tl.store(out_ptr + r * stride_or + h, out, mask=hm)
+
+
+@triton.jit
+def _down_rows_hoisted(out, r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
+                       out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
+                       stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
+                       stride_wk, stride_or, I: tl.constexpr, K: tl.constexpr,
+                       OUT_BF16: tl.constexpr):
+    """`_moe_down_rows_kernel`'s loop on aq, sa (MoeLaunch.down_hoist) with the row's K expert
+    ids, router weights and every scale loaded before it. Triton's pipeliner carries only the
+    loads that feed tl.dot (weight and operand tiles, through cp.async); a scale, weight or id
+    load inside the loop is a synchronous round trip after each wait (the unhoisted loop's
+    sm_90 code: ld.global of sw, sa, w and the next id between cp.async.wait_group and the
+    MMAs). The same operations on the same values in the same order as `_down_block` and the
+    loop there: the same bits."""
+    K_PAD: tl.constexpr = triton.next_power_of_2(K)
+    NB: tl.constexpr = triton.next_power_of_2((I + 127) // 128)  # down's K blocks, padded
+    BN: tl.constexpr = h.shape[0]
+    ks = tl.arange(0, K_PAD)
+    kin = ks < K
+    bs = tl.arange(0, NB)
+    ids = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=kin, other=0)  # [K_PAD]
+    wts = tl.load(w_ptr + r * stride_wr + ks * stride_wk, mask=kin, other=0.0)  # [K_PAD]
+    bm = kin[:, None] & (bs * 128 < I)[None, :]  # [K_PAD, NB]
+    sa_all = tl.load(as_ptr + (r * K + ks)[:, None] * stride_asr + bs[None, :], mask=bm,
+                     other=0.0)  # [K_PAD, NB] slot r·K + k's operand scale per block
+    sw_all = tl.load(ps_ptr + ids.to(tl.int64)[:, None, None] * stride_se
+                     + (h // 128)[None, None, :] * stride_sn + bs[None, :, None] * stride_sk,
+                     mask=bm[:, :, None] & hm[None, None, :], other=0.0)  # [K_PAD, NB, BN]
+    for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
+        sel = ks == kk
+        e = tl.sum(tl.where(sel, ids, 0), axis=0)  # one-hot sums: exact
+        sw_k = tl.sum(tl.where(sel[:, None, None], sw_all, 0.0), axis=0)  # [NB, BN]
+        sa_k = tl.sum(tl.where(sel[:, None], sa_all, 0.0), axis=0)  # [NB]
+        w_e = proj_ptr + e.to(tl.int64) * stride_pe
+        src = tl.where(mine, r * K + kk, 0)  # [BR]
+        acc = tl.zeros((BN, mine.shape[0]), dtype=tl.float32)
+        for b in tl.static_range(0, NB):
+            if b * 128 < I:
+                ii = b * 128 + tl.arange(0, 128)
+                im = ii < I
+                aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                             mask=im[:, None] & mine[None, :], other=0.0)  # [128, BR] E4M3
+                w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
+                            mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+                sw = tl.sum(tl.where((bs == b)[:, None], sw_k, 0.0), axis=0)  # [BN]
+                sa = tl.where(mine, tl.sum(tl.where(bs == b, sa_k, 0.0), axis=0), 0.0)  # [BR]
+                acc = acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None]
+                                                                            * sa[None, :])
+        y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
+        out = out + tl.sum(tl.where(sel, wts, 0.0), axis=0) * y
     if OUT_BF16:
         tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
     else:
@@ -538,7 +656,8 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
         K_BLOCKS=cfg.k_blocks(g.hidden), FOLD=sc is not None, KS=ks, GROUPS=groups,
         QUANT=quant,
-        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages, **launch_opts(g.pdl),
+        HOIST=cfg.gate_up_hoist, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
+        **launch_opts(g.pdl),
     )
     if sc is not None or not silu:
         return part
@@ -676,7 +795,8 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
-        num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
+        HOIST=cfg.down_hoist, num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        **launch_opts(d.pdl),
     )
 
 

@@ -34,6 +34,13 @@ class MoeLaunch:
     # y buffer, no counters; an expert shared by rows is streamed once per row (L2 after the
     # first)
     down_rows: bool = False
+    # down_rows' expert ids, router weights and scales loaded before its expert loop, so the
+    # loop waits only on the tiles the pipeliner carries (kernels/moe.py _down_rows_hoisted):
+    # the same bits; needs down_rows on aq, sa (not silu_in_down)
+    down_hoist: bool = False
+    # gate/up's activation and weight scales loaded before its K loop, likewise
+    # (kernels/moe.py _gate_up_hoisted): the same bits
+    gate_up_hoist: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -50,6 +57,9 @@ class MoeLaunch:
         if self.fold_combine and self.down_rows:
             raise ValueError("MoeLaunch: fold_combine and down_rows both move launch 5; set "
                              "at most one")
+        if self.down_hoist and not (self.down_rows and not self.silu_in_down):
+            raise ValueError("MoeLaunch.down_hoist: hoists the row-major down's loads; needs "
+                             "down_rows on and silu_in_down off")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")

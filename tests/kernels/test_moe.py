@@ -403,6 +403,63 @@ def test_moved_launches_differ_when_their_inputs_do(device):
         MoeLaunch(32, 64, 128, fold_combine=True, down_rows=True)
 
 
+HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
+          {"down_hoist": True, "gate_up_hoist": True})
+
+
+def hoist_label(h: dict) -> str:
+    return "+".join(sorted(h))
+
+
+@pytest.mark.parametrize("case", (CASES[2], CASES[4], CASES[6]),
+                         ids=lambda c: c.name)
+def test_hoisted_loads_give_the_same_bits(case, device):
+    """Expert ids, router weights and scales loaded before the expert and K loops
+    (MoeLaunch.down_hoist, gate_up_hoist) == loaded inside them, bit for bit: 1 of 8 rows, a
+    partial K block, I = 64, 96 and 192 (a partial second block of down). The pinned H200
+    launch: test_moe_tp8_hoisted_loads_give_the_same_bits (a GPU)."""
+    d = to_dev(make_inputs(case, 47), device)
+    cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
+    cfg = dataclasses.replace(cfg, down_rows=True, silu_in_down=False, fold_combine=False)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    n = case.n_live
+    want = moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16)
+    for h in HOISTS:
+        got = moe_fp8(*args, config=dataclasses.replace(cfg, **h))[:n].cpu().view(torch.int16)
+        assert torch.equal(got, want), hoist_label(h)
+
+
+def test_hoisted_loads_read_what_they_must(device):
+    """Each hoisted value reaches the result: a routed expert's gate/up or down scale block, an
+    activation scale, a router weight or a routed expert id changed → other bits (so the
+    comparison above is not vacuous); a hoist flag without the launch it changes is refused."""
+    case = CASES[6]
+    d = to_dev(make_inputs(case, 48), device)
+    cfg = dataclasses.replace(moe_launch(case.hidden, case.inter, torch.device(device).type),
+                              down_rows=True, down_hoist=True, gate_up_hoist=True)
+    n, k = case.n_live, case.top_k
+    args = [d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n]
+    want = moe_fp8(*args, config=cfg)[:n].cpu().view(torch.int16)
+    e_last = int(d.ids[n - 1, k - 1])
+    fc_s, proj_s, w, ids = d.fc_s.clone(), d.proj_s.clone(), d.weights.clone(), d.ids.clone()
+    fc_s[e_last, -1, -1] *= 2  # the up half's last block of the last slot's expert
+    proj_s[e_last, -1, -1] *= 2  # down's last block (the partial one when I = 192)
+    w[n - 1, k - 1] *= 2  # the last term of the row-major sum
+    ids[n - 1, k - 1] = int(torch.arange(case.experts)[~torch.isin(
+        torch.arange(case.experts), d.ids[:n].cpu())][0])  # an expert no row routed to
+    x = d.x.clone()
+    x[n - 1, -1] = x[n - 1, -1] * 1024 + 1  # the last row's last activation scale block
+    for i, bad in ((4, fc_s), (6, proj_s), (1, w), (2, ids), (0, x)):
+        planted = list(args)
+        planted[i] = bad
+        got = moe_fp8(*planted, config=cfg)[:n].cpu().view(torch.int16)
+        assert not torch.equal(got, want), i
+    with pytest.raises(ValueError, match="down_hoist: .* needs down_rows on"):
+        MoeLaunch(32, 64, 128, down_hoist=True)
+    with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
+        MoeLaunch(32, 64, 128, down_rows=True, silu_in_down=True, down_hoist=True)
+
+
 @pytest.mark.slow
 def test_folded_silu_needs_clean_counters(device):
     """The invariant matters: counters left one arrival ahead make each expert's SiLU and each
@@ -607,9 +664,15 @@ def build(fn, sig, const, opts, div16):
     k = triton.compile(ASTSource(fn, full, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=opts)
     ptx = k.asm["ptx"]
-    return {t: len(re.findall(t, ptx))
-            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
-                      "ld.volatile.global")}
+    got = {t: len(re.findall(t, ptx))
+           for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
+                     "ld.volatile.global")}
+    # synchronous loads inside a loop body (TTGIR between scf.for and its scf.yield)
+    inside, got["loop_loads"] = False, 0
+    for line in k.asm["ttgir"].splitlines():
+        inside = (inside or "scf.for" in line) and "scf.yield" not in line
+        got["loop_loads"] += inside and " tt.load " in line
+    return got
 
 tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
 cfg = moe.moe_launch(3072, 192)
@@ -619,7 +682,7 @@ out = {
         dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
              cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1, FOLD=True, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True),
+             stride_ik=1, FOLD=True, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=False),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"]),
@@ -647,10 +710,34 @@ out = {
         dict(aq_ptr=f32, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True),
+             stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
+    "gate_up_hoist": build(moe._moe_gate_up_kernel,
+        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
+             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
+        dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
+             stride_ik=1, FOLD=False, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=True),
+        dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
+        ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
+         "stride_fn", "stride_pj", "stride_ps"]),
+    "down_rows_aq": build(moe._moe_down_rows_kernel,
+        dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
+             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
+        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
+             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=False),
+        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+        ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
+         "stride_pe", "stride_pn", "stride_or"]),
+    "down_rows_hoist": build(moe._moe_down_rows_kernel,
+        dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
+             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
+        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
+             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=True),
+        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+        ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
+         "stride_pe", "stride_pn", "stride_or"]),
     "combine": build(moe._moe_combine_kernel,
         dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
         dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
@@ -686,6 +773,12 @@ def test_moe_kernels_compile_for_sm90():
     dr = got["down_rows"]  # and row-major down + combine, the same
     assert dr["ex2"] > 0 and dr["cp.async"] > 0 and dr["wgmma"] + dr["mma.sync"] > 0
     assert dr["atom.global.gpu.acq_rel"] == 0 and dr["ld.volatile.global"] == 0
+    # the hoists: the pipelined loops wait on cp.async tiles only, where the loops they replace
+    # load scales (and down's expert ids and router weights) synchronously after each wait
+    assert got["gate_up"]["loop_loads"] >= 3 and got["down_rows_aq"]["loop_loads"] >= 4
+    for name in ("gate_up_hoist", "down_rows_hoist"):
+        h = got[name]
+        assert h["loop_loads"] == 0 and h["cp.async"] > 0 and h["mma.sync"] > 0, name
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -742,6 +835,30 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     on = dataclasses.replace(cfg, silu_in_down=moved[0], fold_combine=moved[1],
                              down_rows=moved[2])
+    out = poisoned((8, 3072), torch.bfloat16, device)
+    moe_fp8(*args, config=on, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        moe_fp8(*args, config=on, out=out)
+    for i in range(10):
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hoist", HOISTS, ids=hoist_label)
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_moe_tp8_hoisted_loads_give_the_same_bits(n_live, hoist, device):
+    """The pinned TP8 launch with ids, router weights and scales hoisted out of the loops ==
+    loaded inside them, bit for bit (compiled, pipelined), over 10 graph replays."""
+    case = Case(f"tp8-hoist-{n_live}of8", **TP8, rows=8, n_live=n_live)
+    d = to_dev(make_inputs(case, 640 + n_live), device)
+    cfg = dataclasses.replace(moe_launch(3072, 192), down_hoist=False, gate_up_hoist=False)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
+    on = dataclasses.replace(cfg, **hoist)
     out = poisoned((8, 3072), torch.bfloat16, device)
     moe_fp8(*args, config=on, out=out)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
