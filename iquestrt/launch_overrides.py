@@ -4,18 +4,22 @@ process (`python -m benchmarks.rank --launch moe.down_rows=1`).
 
 Empty (the default) means the pinned configuration of every shape, unchanged:
 kernels/moe_launch.py `moe_launch`, kernels/sampler `sampler_launch`, kernels/tails_launch.py
-`tail_launch`, kernels/qk_rope.py `qkv_launch`. An override replaces named fields of the pinned
-configuration at each call (dataclasses.replace, so the configuration's own checks run). Most
-fields change no bit (channel tiles, warps, stages, sampler tiles and selection, the MoE's moved
-launches, the packed top-k, the router's prefetched weights, the tails' column chunks, the QKV
-launch's folded qk_rope); MoeLaunch.gate_up_k_blocks does (it moves the gate/up K split), within
-the tolerance rows.
+`tail_launch`, kernels/qk_rope.py `qkv_launch`, kernels/linear_launch.py `linear_fp8_launch`.
+An override replaces named fields of the pinned configuration at each call
+(dataclasses.replace, so the configuration's own checks run). Most fields change no bit
+(channel tiles, warps, stages, sampler tiles and selection, the MoE's moved launches, the
+packed top-k, the router's prefetched weights, the tails' column chunks, the QKV launch's
+folded qk_rope, the hoisted scale loads); MoeLaunch.gate_up_k_blocks and LinearLaunch.split_k
+do (they move a K split), within the tolerance rows.
 
 Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample,
-qkv_rope. The TP shard sampling steps (iquestrt/tp/sampling.py) keep the pinned configuration.
+qkv_rope, linear_fp8, linear_fp8_partials (and the rank ops' O partials; family linear: over
+each shape's pinned FP8 launch). The TP shard sampling steps (iquestrt/tp/sampling.py) keep
+the pinned configuration.
 
-Text form: comma-separated `family.field=value`, families moe / sampler / tails / qkv, e.g.
-`moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4`; booleans as 0/1/true/false/on/off.
+Text form: comma-separated `family.field=value`, families moe / sampler / tails / qkv /
+linear, e.g. `moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4`; booleans as
+0/1/true/false/on/off.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kernels.linear_launch import LinearLaunch, linear_fp8_launch
 from kernels.moe_launch import MoeLaunch, moe_launch
 from kernels.qk_rope import QkvLaunch, qkv_launch
 from kernels.sampler import SamplerLaunch, sampler_launch
 from kernels.tails_launch import TailLaunch, tail_launch
 
-FAMILIES = {"moe": MoeLaunch, "sampler": SamplerLaunch, "tails": TailLaunch, "qkv": QkvLaunch}
+FAMILIES = {"moe": MoeLaunch, "sampler": SamplerLaunch, "tails": TailLaunch, "qkv": QkvLaunch,
+            "linear": LinearLaunch}
 _BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 Fields = tuple[tuple[str, object], ...]  # (field, value) pairs in the order given
@@ -41,7 +47,8 @@ class LaunchOverrideError(ValueError):
 def _probes() -> dict:
     """A pinned configuration of each family (real TP8-rank shapes), to check overrides on."""
     return {"moe": moe_launch(3072, 192), "sampler": sampler_launch(20000),
-            "tails": tail_launch(3072, 256), "qkv": qkv_launch()}
+            "tails": tail_launch(3072, 256), "qkv": qkv_launch(),
+            "linear": linear_fp8_launch(1024, 3072)}
 
 
 def _value(family: str, name: str, text: str) -> object:
@@ -71,6 +78,7 @@ class LaunchOverrides:
     sampler: Fields = ()  # over sampler_launch(vocabulary columns per row)
     tails: Fields = ()  # over tail_launch(hidden[, experts])
     qkv: Fields = ()  # over qkv_launch()
+    linear: Fields = ()  # over linear_fp8_launch(N, K) of each FP8 projection
 
     def __post_init__(self) -> None:
         probes = _probes()
@@ -119,6 +127,11 @@ class LaunchOverrides:
 
     def qkv_config(self) -> QkvLaunch:
         return dataclasses.replace(qkv_launch(), **dict(self.qkv))
+
+    def linear_config(self, n: int, k: int) -> LinearLaunch | None:
+        if not self.linear:
+            return None
+        return dataclasses.replace(linear_fp8_launch(n, k), **dict(self.linear))
 
     def tail_config(self, hidden: int, experts: int = 0) -> TailLaunch | None:
         if not self.tails:

@@ -83,12 +83,14 @@ class KernelOps:
             s.reset()
 
     def linear_fp8(self, x, lin: Fp8Linear, live: Live, out_dtype) -> torch.Tensor:
-        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype, pdl=self.pdl)
+        return k_linear.linear_fp8(x, lin.w, lin.s, live.t, out_dtype=out_dtype, pdl=self.pdl,
+                                   config=self.launches.linear_config(*lin.w.shape))
 
     def linear_fp8_partials(self, x, lin: Fp8Linear, live: Live, xq=None, out=None
                             ) -> torch.Tensor:
-        return k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, quantized=xq,
-                                            out=out, pdl=self.pdl)  # [S, R, N]
+        return k_linear.linear_fp8_partials(  # [S, R, N]
+            x, lin.w, lin.s, live.t, quantized=xq, out=out, pdl=self.pdl,
+            config=self.launches.linear_config(*lin.w.shape))
 
     def linear_bf16_f32(self, x, w, live: Live, out_dtype) -> torch.Tensor:
         return k_linear.linear_bf16_f32(x, w, live.t, out_dtype=out_dtype, pdl=self.pdl)

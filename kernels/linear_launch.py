@@ -20,6 +20,9 @@ class LinearLaunch:
     num_warps: int = 4
     num_stages: int = 3
     reduce_block: int = 1024  # channels per program of the split-K reduction
+    # FP8: a split's row and weight scales loaded before its K loop (kernels/linear.py
+    # fp8_program HOIST): the same bits
+    hoist_scales: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "reduce_block"):

@@ -175,12 +175,12 @@ class RankKernelOps(RankOpsMixin, KernelOps):
 
     def _local_splits(self, lin: Fp8Linear) -> int:
         n, k = lin.w.shape
-        return k_linear.linear_fp8_splits(n, k)
+        return k_linear.linear_fp8_splits(n, k, self.launches.linear_config(n, k))
 
     def _partials_into(self, x, lin: Fp8Linear, live: Live, out: torch.Tensor,
                        xq=None) -> None:
         k_linear.linear_fp8_partials(x, lin.w, lin.s, live.t, out=out, quantized=xq,
-                                     pdl=self.pdl)
+                                     pdl=self.pdl, config=self.launches.linear_config(*lin.w.shape))
 
     def _moe_into(self, x, weights, ids, m: MoeWeights, live: Live, out: torch.Tensor,
                   xq=None) -> None:

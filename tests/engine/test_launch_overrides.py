@@ -10,6 +10,7 @@ import torch
 from iquestrt import ops_kernels
 from iquestrt.launch_overrides import LaunchOverrideError, LaunchOverrides
 from iquestrt.live import Live
+from kernels.linear_launch import linear_fp8_launch
 from kernels.moe_launch import moe_launch
 from kernels.sampler import sampler_launch
 from kernels.tails_launch import tail_launch
@@ -30,7 +31,8 @@ def test_parse_and_label_round_trip():
 @pytest.mark.parametrize("text, message", [
     ("moe.down_rows", "expected family.field=value"),
     ("down_rows=1", "expected family.field=value"),
-    ("attention.tile=64", "family one of ['moe', 'qkv', 'sampler', 'tails']"),
+    ("attention.tile=64", "family one of ['linear', 'moe', 'qkv', 'sampler', 'tails']"),
+    ("linear.block_n=48", "LinearLaunch.block_n: expected a power of two"),
     ("moe.tile=64", "moe.tile: unknown field; MoeLaunch has"),
     ("moe.down_rows=maybe", "moe.down_rows='maybe': expected one of"),
     ("sampler.tile=big", "sampler.tile='big': expected an integer"),
@@ -56,9 +58,13 @@ def test_configs_replace_only_the_named_fields_of_the_pinned_ones():
     assert o.tail_config(3072, 256) == dataclasses.replace(tail_launch(3072, 256),
                                                            unroll_k=True)
     assert o.tail_config(3072) == dataclasses.replace(tail_launch(3072), unroll_k=True)
+    lin = LaunchOverrides.parse("linear.hoist_scales=1")
+    for shape in ((1024, 3072), (3072, 768), (100, 256)):  # pinned QKV, pinned O, a default
+        assert lin.linear_config(*shape) == dataclasses.replace(linear_fp8_launch(*shape),
+                                                                hoist_scales=True)
     none = LaunchOverrides()
     assert (none.moe_config(3072, 192, "cuda"), none.sampler_config(20000),
-            none.tail_config(3072)) == (None, None, None)
+            none.tail_config(3072), none.linear_config(1024, 3072)) == (None,) * 4
 
 
 def _spy(monkeypatch, module, name, seen):
@@ -68,7 +74,8 @@ def _spy(monkeypatch, module, name, seen):
     monkeypatch.setattr(module, name, record)
 
 
-@pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.unroll_k=1"])
+@pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.unroll_k=1,"
+                                      "linear.hoist_scales=1"])
 def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     """Each covered op reaches its wrapper with the overrides applied to the configuration the
     wrapper would pin for that shape (hidden 256, I 64, 512-column logits, 16 experts)."""
@@ -80,6 +87,8 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     _spy(monkeypatch, ops_kernels.k_sampler, "sample", seen)
     _spy(monkeypatch, ops_kernels.k_tails, "attn_tail", seen)
     _spy(monkeypatch, ops_kernels.k_tails, "moe_tail", seen)
+    _spy(monkeypatch, ops_kernels.k_linear, "linear_fp8", seen)
+    _spy(monkeypatch, ops_kernels.k_linear, "linear_fp8_partials", seen)
     live = Live.of(2, "cpu")
     x = torch.zeros(2, 256, dtype=torch.bfloat16)
     moe = type("M", (), {"fc": torch.zeros(16, 128, 256), "fc_s": None, "proj": None,
@@ -89,9 +98,15 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     ops.attn_tail(torch.zeros(8, 2, 256), x, None, None, live, None, eps=1e-6,
                   attn_out_scale=1.0, router_w=torch.zeros(16, 256), top_k=4)
     ops.moe_tail(torch.zeros(8, 2, 256), x, None, live, None, eps=1e-6, ffn_out_scale=1.0)
+    lin = type("L", (), {"w": torch.empty(512, 256, device="meta"), "s": None})()
+    ops.linear_fp8(x, lin, live, torch.bfloat16)
+    ops.linear_fp8_partials(x, lin, live)
     if not o:
-        assert seen == {"moe_fp8": None, "sample": None, "attn_tail": None, "moe_tail": None}
+        assert seen == {"moe_fp8": None, "sample": None, "attn_tail": None, "moe_tail": None,
+                        "linear_fp8": None, "linear_fp8_partials": None}
         return
+    assert seen["linear_fp8"] == seen["linear_fp8_partials"] == dataclasses.replace(
+        linear_fp8_launch(512, 256), hoist_scales=True)
     assert seen["moe_fp8"] == dataclasses.replace(moe_launch(256, 64, "cpu"), down_rows=True)
     assert seen["sample"] == dataclasses.replace(sampler_launch(512), tile=2048)
     assert seen["attn_tail"] == dataclasses.replace(tail_launch(256, 16), unroll_k=True)
@@ -118,7 +133,7 @@ def test_qkv_fold_picks_the_launch(monkeypatch, fold):
                         or "parts")
     monkeypatch.setattr(ops_kernels.k_qk, "qk_rope",
                         lambda parts, *a, **kw: calls.append(("qk_rope", parts)) or ("q", "k", "v"))
-    lin = type("L", (), {"w": None, "s": None})()
+    lin = type("L", (), {"w": torch.empty(1024, 3072, device="meta"), "s": None})()
     xq = ("xq", "sx")
     got = ops.qkv_rope(None, lin, None, None, None, None, Live.of(2, "cpu"), num_q_heads=2,
                        num_kv_heads=1, eps=1e-6, xq=xq)

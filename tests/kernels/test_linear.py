@@ -16,6 +16,7 @@ Dimension letters: R buffer rows, n live rows, K input columns, N output channel
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
@@ -254,6 +255,33 @@ def test_prequantized_operand_gives_the_same_bits(device):
                        ((xq.view(torch.uint8), sx), "quantized\\[0\\]")):
         with pytest.raises(ValueError, match=words):
             linear_fp8_partials(x, w, s, n, config=cfg, quantized=bad)
+
+
+HOIST_CASES = (CASES[1], CASES[3], CASES[4],
+               Case("r8of7-k640-n99-s3", 8, 7, 640, 99, LinearLaunch(32, 3)))  # last split short
+
+
+def hoisted(cfg: LinearLaunch | None, n: int, k: int) -> LinearLaunch:
+    return dataclasses.replace(cfg or linear_fp8_launch(n, k), hoist_scales=True)
+
+
+@pytest.mark.parametrize("case", HOIST_CASES, ids=lambda c: c.name)
+def test_hoisted_scales_give_the_same_bits(case, device):
+    """The split's scales loaded before the K loop (LinearLaunch.hoist_scales) == loaded inside
+    it, bit for bit: partials and bf16 output, partial K and N scale blocks, 1–3 splits, a last
+    split shorter than the others (its loop runs past K, masked), strided operands; the
+    scales differ per block (random_w), so a block picked wrong shows."""
+    x, w, s, n = inputs(case, 31, snapped=False)
+    xd, wd = place(x, device, case.strided), place(w, device, case.strided)
+    sd, nd = s.to(device), n.to(device)
+    live = case.n_live
+    for cfg in (case.config, hoisted(case.config, case.n, case.k)):
+        part = linear_fp8_partials(xd, wd, sd, nd, config=cfg)[:, :live]
+        out = linear_fp8(xd, wd, sd, nd, config=cfg)[:live]
+        if not cfg or not cfg.hoist_scales:
+            want = bits(part), bits(out)
+            continue
+        assert torch.equal(bits(part), want[0]) and torch.equal(bits(out), want[1])
 
 
 def test_padded_width_is_bit_identical(device):
@@ -518,19 +546,24 @@ def build(fn, sig, const, **opts):
                                                  r"div\.full", r"div\.approx")}
     got["spill"] = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", v))
     got["shared"] = k.metadata.shared
+    inside, got["loop_loads"] = False, 0  # synchronous loads between scf.for and scf.yield
+    for line in k.asm["ttgir"].splitlines():
+        inside = (inside or "scf.for" in line) and "scf.yield" not in line
+        got["loop_loads"] += inside and " tt.load " in line
     return got
 
 u = dict(stride_wk=1, stride_on=1)
 fp8 = dict(xq_ptr="*fp8e4nv", sx_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
            n_live_ptr="*i32", out_ptr="*fp32")
 res = {}
-for name, (n, k, out) in {"qkv_partials": (1024, 3072, "*fp32"),
-                          "o_bf16": (3072, 768, "*bf16")}.items():
+for name, (n, k, out, hoist) in {"qkv_partials": (1024, 3072, "*fp32", False),
+                                 "o_bf16": (3072, 768, "*bf16", False),
+                                 "qkv_hoist": (1024, 3072, "*fp32", True)}.items():
     cfg = linear.linear_fp8_launch(n, k)
     s, kb = linear.split_plan(-(-k // 128), cfg.split_k)
     res[name] = build(linear._linear_fp8_kernel, dict(fp8, out_ptr=out),
                       dict(u, K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=16,
-                           OUT_BF16=out == "*bf16", PDL=False),
+                           OUT_BF16=out == "*bf16", HOIST=hoist, PDL=False),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 cfg = linear.linear_bf16_launch(20000, 3072)
 res["lm_head"] = build(linear._linear_bf16_kernel,
@@ -564,6 +597,10 @@ def test_linear_kernels_compile_for_sm90():
     for name in ("qkv_partials", "o_bf16"):
         g = got[name]
         assert g["div\\.rn\\.f32"] == g["div\\.full"] == g["div\\.approx"] == 0, name
+    # hoisted scales: the pipelined K loop waits on the cp.async tiles only, where the loop it
+    # replaces loads both scales synchronously after each wait
+    assert got["qkv_partials"]["loop_loads"] >= 2 and got["qkv_hoist"]["loop_loads"] == 0
+    assert got["qkv_hoist"]["wgmma"] > 0 and got["qkv_hoist"]["cp\\.async"] > 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ------------------------------------
@@ -582,6 +619,22 @@ def test_linear_fp8_rank_shapes(shape, n_live, snapped, device):
                      device)
     for key, val in report.items():
         print(f"\n  [{shape[0]} n={n_live}] {key}: {val}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", RANK_FP8, ids=lambda s: s[0])
+def test_hoisted_scales_rank_shapes(shape, device):
+    """LinearLaunch.hoist_scales at the pinned rank launches (compiled, wgmma) == the loop that
+    loads its scales, bit for bit, partials and bf16 output, 1 / 6 / 8 live rows."""
+    _, n, k = shape
+    for n_live in (1, 6, 8):
+        case = Case(f"{shape[0]}-{n_live}of8", 8, n_live, k, n)
+        x, w, s, nl = (t.to(device) for t in inputs(case, 320 + n_live, snapped=False))
+        got = []
+        for cfg in (linear_fp8_launch(n, k), hoisted(None, n, k)):
+            got.append((bits(linear_fp8_partials(x, w, s, nl, config=cfg)[:, :n_live]),
+                        bits(linear_fp8(x, w, s, nl, config=cfg)[:n_live])))
+        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), case.name
 
 
 @pytest.mark.gpu
