@@ -678,14 +678,6 @@ tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
 cfg = moe.moe_launch(3072, 192)
 f8, f32, i32 = "*fp8e4nv", "*fp32", "*i32"
 out = {
-    "gate_up": build(moe._moe_gate_up_kernel,
-        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
-             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
-        dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1, FOLD=True, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=False),
-        dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
-        ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
-         "stride_fn", "stride_pj", "stride_ps"]),
     "silu": build(moe._moe_silu_kernel,
         dict(p_ptr=f32, n_live_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
         dict(I=192, K=8, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, PDL=False),
@@ -714,35 +706,29 @@ out = {
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
-    "gate_up_hoist": build(moe._moe_gate_up_kernel,
-        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
-             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
-        dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1, FOLD=False, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=True),
-        dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
-        ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
-         "stride_fn", "stride_pj", "stride_ps"]),
-    "down_rows_aq": build(moe._moe_down_rows_kernel,
-        dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
-             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
-        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=False),
-        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
-        ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
-         "stride_pe", "stride_pn", "stride_or"]),
-    "down_rows_hoist": build(moe._moe_down_rows_kernel,
-        dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
-             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
-        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=True),
-        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
-        ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
-         "stride_pe", "stride_pn", "stride_or"]),
     "combine": build(moe._moe_combine_kernel,
         dict(y_ptr=f32, w_ptr=f32, n_live_ptr=i32, out_ptr="*bf16"),
         dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
         []),
 }
+for name, fold, hoist in (("gate_up", True, False), ("gate_up_hoist", False, True)):
+    out[name] = build(moe._moe_gate_up_kernel,
+        dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
+             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
+        dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
+             stride_ik=1, FOLD=fold, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=hoist),
+        dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
+        ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
+         "stride_fn", "stride_pj", "stride_ps"])
+for hoist in (False, True):  # the row-major down on aq, sa: scales in the loop or hoisted
+    out[f"down_rows_{'hoist' if hoist else 'aq'}"] = build(moe._moe_down_rows_kernel,
+        dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
+             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
+        dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
+             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist),
+        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+        ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
+         "stride_pe", "stride_pn", "stride_or"])
 print(json.dumps(out))
 """
 
@@ -821,6 +807,21 @@ def test_moe_tp8_folded_launches_give_the_unfolded_bits(n_live, device):
     assert int(scratch.counters.abs().sum()) == 0
 
 
+def assert_replays_give(args, cfg: MoeLaunch, want, n_live: int, device, replays: int = 10):
+    """moe_fp8(*args, config=cfg) captured in a CUDA graph gives want's bits on every replay
+    into a poisoned output."""
+    out = poisoned((8, 3072), torch.bfloat16, device)
+    moe_fp8(*args, config=cfg, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph):
+        moe_fp8(*args, config=cfg, out=out)
+    for i in range(replays):
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("moved", MOVED, ids=lambda m: "silu{}-fold{}-rows{}".format(*map(int, m)))
 @pytest.mark.parametrize("n_live", [1, 6, 8])
@@ -835,16 +836,7 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     on = dataclasses.replace(cfg, silu_in_down=moved[0], fold_combine=moved[1],
                              down_rows=moved[2])
-    out = poisoned((8, 3072), torch.bfloat16, device)
-    moe_fp8(*args, config=on, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with graph_capture(graph):
-        moe_fp8(*args, config=on, out=out)
-    for i in range(10):
-        out.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
+    assert_replays_give(args, on, want, n_live, device)
 
 
 @pytest.mark.gpu
@@ -859,16 +851,7 @@ def test_moe_tp8_hoisted_loads_give_the_same_bits(n_live, hoist, device):
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     on = dataclasses.replace(cfg, **hoist)
-    out = poisoned((8, 3072), torch.bfloat16, device)
-    moe_fp8(*args, config=on, out=out)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with graph_capture(graph):
-        moe_fp8(*args, config=on, out=out)
-    for i in range(10):
-        out.fill_(POISON)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out[:n_live].view(torch.int16), want), f"replay {i}"
+    assert_replays_give(args, on, want, n_live, device)
 
 
 @pytest.mark.gpu
