@@ -3,6 +3,7 @@ floor and the simplest torch formulations.
 
     python -m benchmarks.bench_linear --rows 1 6 8 --out bench_linear.json
     python -m benchmarks.bench_linear --sweep --rows 6 --out sweep.json   # candidate configs
+    python -m benchmarks.bench_linear --no-torch --variant hoist_scales=1   # pinned vs variant
 
 Shapes (N, K): QKV 1024×3072, O 3072×768, dense gate (= up) 1536×3072, gate+up fused
 3072×3072, down 3072×1536 (block FP8, bf16 out), lm_head 20000×3072 (BF16, FP32 logits).
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.timing import capture_graph, time_graph  # noqa: F401
+from benchmarks.launch_variant import parse_variant
+from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
 L2_BYTES = 60e6
@@ -74,14 +76,15 @@ class Problem:
     out: torch.Tensor  # [8, N]
     config: object = None  # LinearLaunch or None (pinned)
 
-    def kernel_call(self, copy: int):
+    def kernel_call(self, copy: int, config=None):
+        """config: a LinearLaunch for this call instead of the problem's (FP8 shapes)."""
         from kernels.linear import linear_bf16_f32, linear_fp8
 
         c = copy % len(self.weights)
         if self.shape.fp8:
             from kernels.linear import linear_fp8_launch, linear_fp8_splits
 
-            cfg = self.config or linear_fp8_launch(self.shape.n, self.shape.k)
+            cfg = config or self.config or linear_fp8_launch(self.shape.n, self.shape.k)
             s = linear_fp8_splits(self.shape.n, self.shape.k, cfg)
             part = torch.empty(s, 8, self.shape.n, device=self.x.device) if s > 1 else None
             return lambda: linear_fp8(self.x, self.weights[c], self.scales[c], self.n_live,
@@ -89,8 +92,8 @@ class Problem:
         return lambda: linear_bf16_f32(self.x, self.weights[c], self.n_live, out=self.out,
                                        config=self.config)
 
-    def kernel_calls(self):
-        return [self.kernel_call(j) for j in range(len(self.weights))]
+    def kernel_calls(self, config=None):
+        return [self.kernel_call(j, config) for j in range(len(self.weights))]
 
 
 def build_problem(shape: Shape, rows: int, copies: int | None, device, config=None) -> Problem:
@@ -154,13 +157,28 @@ def check_against_twin(p: Problem) -> str:
     return str(check(got[:r], twin, "kernels.linear_bf16_f32", "fp32"))
 
 
-def bench_one(shape: Shape, rows: int, args, config=None, with_torch: bool = True) -> dict:
+def bench_one(shape: Shape, rows: int, args, config=None, with_torch: bool = True,
+              variants: tuple[str, ...] = ()) -> dict:
+    """variants: LinearLaunch field changes of the pinned FP8 launch (parse_variant), each timed
+    beside it with the graphs replayed alternately; kernel_us stays the pinned launch's."""
     p = build_problem(shape, rows, args.copies, torch.device("cuda"), config)
     row = {"shape": shape.name, "n": shape.n, "k": shape.k, "rows": rows,
            "copies": len(p.weights), "config": None if config is None else asdict(config)}
     row["check"] = check_against_twin(p)
     reps = max(args.reps, len(p.weights))
-    us = time_graph(p.kernel_calls(), reps, args.trials, args.warmup)
+    if variants and shape.fp8:
+        from kernels.linear import linear_fp8_launch
+
+        pinned = linear_fp8_launch(shape.n, shape.k)
+        calls = {"pinned": p.kernel_calls(pinned)}
+        for text in variants:
+            calls[text] = p.kernel_calls(parse_variant(text, pinned)[1])
+        times = time_graphs_alternating(calls, reps, args.trials, args.warmup)
+        us = times.pop("pinned")
+        for text, t in times.items():
+            row[f"{text}_us"], row[f"{text}_over_pinned"] = t, t / us
+    else:
+        us = time_graph(p.kernel_calls(), reps, args.trials, args.warmup)
     moved = must_move_bytes(shape, rows)
     row.update(kernel_us=us, must_move_MB=moved / 1e6, achieved_TBps=moved / us / 1e6,
                frac_of_4_24=moved / us / 1e6 / (HBM_BYTES_PER_S / 1e12),
@@ -220,8 +238,15 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     ap.add_argument("--sweep", action="store_true",
                     help="time candidate LinearLaunch configs per shape (to pin them)")
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=V,…",
+                    help="also time each FP8 shape's pinned LinearLaunch with these fields "
+                         "changed (repeatable), replays alternating, e.g. hoist_scales=1")
     ap.add_argument("--out", type=Path, default=Path("bench_linear.json"))
     args = ap.parse_args(argv)
+    from kernels.linear import linear_fp8_launch
+
+    for text in args.variant:  # bad specs are refused before any GPU work
+        parse_variant(text, linear_fp8_launch(1024, 3072))
     if not torch.cuda.is_available():
         raise SystemExit("bench_linear: needs a CUDA GPU")
     shapes = dict(SHAPES)
@@ -230,10 +255,13 @@ def main(argv=None) -> list[dict]:
         for rows in args.rows:
             if not 1 <= rows <= 8:
                 raise SystemExit(f"--rows: expected 1..8, got {rows}")
-            row = bench_one(shapes[name], rows, args, with_torch=not args.no_torch)
+            row = bench_one(shapes[name], rows, args, with_torch=not args.no_torch,
+                            variants=tuple(args.variant))
             results.append(row)
             print(f"{name} rows={rows}: {row['kernel_us']:.2f} µs, "
-                  f"{row['achieved_TBps']:.2f} TB/s; check {row['check']}")
+                  f"{row['achieved_TBps']:.2f} TB/s; check {row['check']}"
+                  + "".join(f", {v} {row[f'{v}_us']:.2f} µs ({row[f'{v}_over_pinned']:.3f}×)"
+                            for v in args.variant if f"{v}_us" in row))
             if args.sweep:
                 for cfg in sweep_configs(shapes[name]):
                     t = bench_one(shapes[name], rows, args, cfg, with_torch=False)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.launch_variant import parse_variant
 from benchmarks.timing import capture_graph, time_graph, time_graphs_alternating  # noqa: F401
 
 HBM_BYTES_PER_S = 4.24e12
@@ -181,28 +182,6 @@ def must_move_bytes(spec: BenchSpec) -> int:
     scales = 4 * (math.ceil(2 * i / 128) * nh + nh * math.ceil(i / 128))
     per_expert = 3 * h * i + scales
     return spec.distinct * per_expert + 2 * 2 * spec.rows * h  # + x read, out written (bf16)
-
-
-def parse_variant(text: str, pinned) -> tuple[str, object]:
-    """"down_rows=1,down_block_n=128" → (that text, the pinned MoeLaunch with those fields);
-    bool fields take 0/1, int fields ints; an unknown field or bad value raises SystemExit
-    naming it."""
-    fields = {f.name: f.type for f in dataclasses.fields(pinned)}
-    changes = {}
-    for part in text.split(","):
-        key, eq, value = part.strip().partition("=")
-        if not eq or key not in fields:
-            raise SystemExit(f"--variant {text!r}: {part!r} is not FIELD=VALUE with FIELD one of "
-                             f"{', '.join(fields)}")
-        old = getattr(pinned, key)
-        try:
-            changes[key] = bool(int(value)) if isinstance(old, bool) else int(value)
-        except ValueError:
-            raise SystemExit(f"--variant {text!r}: {key} takes an integer, got {value!r}") from None
-    try:
-        return text, dataclasses.replace(pinned, **changes)
-    except ValueError as e:
-        raise SystemExit(f"--variant {text!r}: {e}") from None
 
 
 def flipped(pinned, **flags):
