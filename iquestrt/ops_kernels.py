@@ -101,7 +101,8 @@ class KernelOps:
         args = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, eps=eps, cache=cache)
         if self.qkv.fold_rope:
             return k_qk.qkv_rope(x, lin.w, lin.s, q_norm, k_norm, positions, table, live.t,
-                                 scratch=self.qkv_scratch, quantized=xq, pdl=self.pdl, **args)
+                                 scratch=self.qkv_scratch, quantized=xq, pdl=self.pdl,
+                                 config=self.launches.linear_config(*lin.w.shape), **args)
         parts = self.linear_fp8_partials(x, lin, live, xq=xq)
         return (parts, *self.qk_rope(parts, q_norm, k_norm, positions, table, live, **args))
 

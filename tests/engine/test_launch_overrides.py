@@ -115,16 +115,17 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
 
 @pytest.mark.parametrize("fold", [False, True])
 def test_qkv_fold_picks_the_launch(monkeypatch, fold):
-    """qkv.fold_rope=1: KernelOps.qkv_rope is the one folded launch (with the table's scratch
-    and the producer's quantization); pinned: linear_fp8_partials then qk_rope."""
+    """qkv.fold_rope=1: KernelOps.qkv_rope is the one folded launch (with the table's scratch,
+    the producer's quantization and the linear family's overrides); pinned:
+    linear_fp8_partials then qk_rope."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    o = LaunchOverrides.parse("qkv.fold_rope=1" if fold else "")
+    o = LaunchOverrides.parse("qkv.fold_rope=1,linear.hoist_scales=1" if fold else "")
     assert o.qkv_config().fold_rope is fold
     ops = ops_kernels.KernelOps(torch.device("cpu"), 1, launches=o)
     calls: list = []
 
-    def folded(*args, scratch=None, quantized=None, **kw):
-        calls.append(("qkv_rope", scratch, quantized))
+    def folded(*args, scratch=None, quantized=None, config=None, **kw):
+        calls.append(("qkv_rope", scratch, quantized, config))
         return "parts", "q", "k", "v"
 
     monkeypatch.setattr(ops_kernels.k_qk, "qkv_rope", folded)
@@ -139,6 +140,7 @@ def test_qkv_fold_picks_the_launch(monkeypatch, fold):
                        num_kv_heads=1, eps=1e-6, xq=xq)
     assert got == ("parts", "q", "k", "v")
     if fold:
-        assert calls == [("qkv_rope", ops.qkv_scratch, xq)]
+        hoisted = dataclasses.replace(linear_fp8_launch(1024, 3072), hoist_scales=True)
+        assert calls == [("qkv_rope", ops.qkv_scratch, xq, hoisted)]  # the linear family too
     else:
         assert calls == [("linear", xq), ("qk_rope", "parts")]
