@@ -130,14 +130,9 @@ def _moe_gate_up_kernel(
     s_e = fcs_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-    if HOIST:
-        acc_g, acc_u = _gate_up_hoisted(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm,
-                                        j, stride_xqr, stride_xsr, stride_fn, stride_fk,
-                                        stride_sn, stride_sk, H, I, K_BLOCKS)
-    else:
-        acc_g, acc_u = _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j,
-                                     stride_xqr, stride_xsr, stride_fn, stride_fk, stride_sn,
-                                     stride_sk, H, I, K_BLOCKS)
+    acc_g, acc_u = _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j,
+                                 stride_xqr, stride_xsr, stride_fn, stride_fk, stride_sn,
+                                 stride_sk, H, I, K_BLOCKS, HOIST)
     # every slot (r, k) routed to e gets the row's partials: part[j, slot, c] gate, [.., I + c] up
     slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
     dst = p_ptr + j * stride_pj + slot[None, :, :] * stride_ps + c[:, None, None]  # [BN, BR, KP]
@@ -153,9 +148,24 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, stride_xqr,
                   stride_xsr, stride_fn, stride_fk, stride_sn, stride_sk, H: tl.constexpr,
-                  I: tl.constexpr, K_BLOCKS: tl.constexpr):
+                  I: tl.constexpr, K_BLOCKS: tl.constexpr, HOIST: tl.constexpr):
     """acc_g, acc_u [BN, BR] += gate and up tiles c of expert e (w_e, s_e) times the routed
-    rows' activations over K split j's hidden blocks, each block scaled in FP32."""
+    rows' activations over K split j's hidden blocks, each block scaled in FP32.
+    HOIST (MoeLaunch.gate_up_hoist): the split's activation scales and gate and up weight scales
+    are loaded before the loop and picked per block inside it (one-hot sums of positive scales:
+    exact), so the loop waits only on the tiles the pipeliner carries through cp.async (see
+    `_down_rows_hoisted`); the same values in the same operations: the same bits."""
+    if HOIST:
+        bs = tl.arange(0, triton.next_power_of_2(K_BLOCKS))  # [KB] blocks of this split
+        k0s = (j * K_BLOCKS + bs) * 128  # first hidden column of each block
+        bv = (bs < K_BLOCKS) & (k0s < H)  # the last split may be short
+        xs_all = tl.load(xs_ptr + rows[:, None] * stride_xsr + (k0s // 128)[None, :],
+                         mask=uses[:, None] & bv[None, :], other=0.0)  # [BR, KB]
+        sv = bv[:, None] & cm[None, :]
+        sg_all = tl.load(s_e + (c // 128)[None, :] * stride_sn + (k0s // 128)[:, None]
+                         * stride_sk, mask=sv, other=0.0)  # [KB, BN]
+        su_all = tl.load(s_e + ((I + c) // 128)[None, :] * stride_sn + (k0s // 128)[:, None]
+                         * stride_sk, mask=sv, other=0.0)  # [KB, BN]
     for b in range(0, K_BLOCKS):
         k0 = (j * K_BLOCKS + b) * 128
         hc = k0 + tl.arange(0, 128)  # [128] hidden columns of this scale block
@@ -163,54 +173,21 @@ def _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, 
         bm = k0 < H  # the last split may be short
         xq = tl.load(xq_ptr + rows[None, :] * stride_xqr + hc[:, None],
                      mask=km[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
-        xs = tl.load(xs_ptr + rows * stride_xsr + k0 // 128, mask=uses & bm, other=0.0)  # [BR]
         wm = cm[:, None] & km[None, :]
         wg = tl.load(w_e + c[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm, other=0.0)
         wu = tl.load(w_e + (I + c)[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm,
                      other=0.0)  # [BN, 128] E4M3
-        sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm & bm,
-                     other=0.0)
-        su = tl.load(s_e + ((I + c) // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm & bm,
-                     other=0.0)  # [BN]
-        xh = xq.to(tl.float16)
-        acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
-        acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
-    return acc_g, acc_u
-
-
-@triton.jit
-def _gate_up_hoisted(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, stride_xqr,
-                     stride_xsr, stride_fn, stride_fk, stride_sn, stride_sk, H: tl.constexpr,
-                     I: tl.constexpr, K_BLOCKS: tl.constexpr):
-    """The gate/up K loop (MoeLaunch.gate_up_hoist) with the split's activation scales and gate
-    and up weight scales loaded before it, so the loop waits only on the tiles the pipeliner
-    carries through cp.async (see `_down_rows_hoisted`). The same operations on the same values
-    in the same order as the loop in `_moe_gate_up_kernel`: the same bits."""
-    KB: tl.constexpr = triton.next_power_of_2(K_BLOCKS)
-    bs = tl.arange(0, KB)
-    k0s = (j * K_BLOCKS + bs) * 128  # [KB] first hidden column of each block
-    bm = (bs < K_BLOCKS) & (k0s < H)  # the last split may be short
-    xs_all = tl.load(xs_ptr + rows[:, None] * stride_xsr + (k0s // 128)[None, :],
-                     mask=uses[:, None] & bm[None, :], other=0.0)  # [BR, KB]
-    sm = bm[:, None] & cm[None, :]
-    sg_all = tl.load(s_e + (c // 128)[None, :] * stride_sn + (k0s // 128)[:, None] * stride_sk,
-                     mask=sm, other=0.0)  # [KB, BN]
-    su_all = tl.load(s_e + ((I + c) // 128)[None, :] * stride_sn
-                     + (k0s // 128)[:, None] * stride_sk, mask=sm, other=0.0)  # [KB, BN]
-    for b in range(0, K_BLOCKS):
-        k0 = (j * K_BLOCKS + b) * 128
-        hc = k0 + tl.arange(0, 128)  # [128] hidden columns of this scale block
-        km = hc < H
-        xq = tl.load(xq_ptr + rows[None, :] * stride_xqr + hc[:, None],
-                     mask=km[:, None] & uses[None, :], other=0.0)  # [128, BR] E4M3
-        wm = cm[:, None] & km[None, :]
-        wg = tl.load(w_e + c[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm, other=0.0)
-        wu = tl.load(w_e + (I + c)[:, None] * stride_fn + hc[None, :] * stride_fk, mask=wm,
-                     other=0.0)  # [BN, 128] E4M3
-        sel = bs == b  # one-hot sums: exact (positive scales, no −0)
-        xs = tl.sum(tl.where(sel[None, :], xs_all, 0.0), axis=1)  # [BR]
-        sg = tl.sum(tl.where(sel[:, None], sg_all, 0.0), axis=0)  # [BN]
-        su = tl.sum(tl.where(sel[:, None], su_all, 0.0), axis=0)
+        if HOIST:
+            xs = tl.sum(tl.where((bs == b)[None, :], xs_all, 0.0), axis=1)  # [BR]
+            sg = tl.sum(tl.where((bs == b)[:, None], sg_all, 0.0), axis=0)  # [BN]
+            su = tl.sum(tl.where((bs == b)[:, None], su_all, 0.0), axis=0)
+        else:
+            xs = tl.load(xs_ptr + rows * stride_xsr + k0 // 128, mask=uses & bm,
+                         other=0.0)  # [BR]
+            sg = tl.load(s_e + (c // 128) * stride_sn + (k0 // 128) * stride_sk, mask=cm & bm,
+                         other=0.0)
+            su = tl.load(s_e + ((I + c) // 128) * stride_sn + (k0 // 128) * stride_sk,
+                         mask=cm & bm, other=0.0)  # [BN]
         xh = xq.to(tl.float16)
         acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
         acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
@@ -396,7 +373,7 @@ def _moe_down_rows_kernel(
     mine = col == r  # [BR] the operand's column
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HOIST:
-        _down_rows_hoisted(out, r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
+        _down_rows_hoisted(r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
                            out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
                            stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
                            stride_wk, stride_or, I, K, OUT_BF16)
@@ -421,7 +398,7 @@ def _moe_down_rows_kernel(
 
 
 @triton.jit
-def _down_rows_hoisted(out, r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
+def _down_rows_hoisted(r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
                        out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
                        stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
                        stride_wk, stride_or, I: tl.constexpr, K: tl.constexpr,
@@ -439,6 +416,7 @@ def _down_rows_hoisted(out, r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, p
     ks = tl.arange(0, K_PAD)
     kin = ks < K
     bs = tl.arange(0, NB)
+    out = tl.zeros((BN,), dtype=tl.float32)
     ids = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=kin, other=0)  # [K_PAD]
     wts = tl.load(w_ptr + r * stride_wr + ks * stride_wk, mask=kin, other=0.0)  # [K_PAD]
     bm = kin[:, None] & (bs * 128 < I)[None, :]  # [K_PAD, NB]

@@ -39,7 +39,7 @@ class MoeLaunch:
     # the same bits; needs down_rows on aq, sa (not silu_in_down)
     down_hoist: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
-    # (kernels/moe.py _gate_up_hoisted): the same bits
+    # (kernels/moe.py _gate_up_loop HOIST): the same bits
     gate_up_hoist: bool = False
 
     def __post_init__(self) -> None:
