@@ -76,7 +76,7 @@ def _linear_fp8_kernel(
     stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_or, stride_on,
     K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    OUT_BF16: tl.constexpr, HOIST: tl.constexpr, PDL: tl.constexpr,
+    OUT_BF16: tl.constexpr, HOIST: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """x arrives quantized (kernels.fp8.quantize_act, one launch before this one): quantizing
     inside the K loop made every program redo ~2k IEEE divisions per 128-column block, which
@@ -84,14 +84,15 @@ def _linear_fp8_kernel(
     pdl_enter(PDL)
     fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride_xr, stride_sxr,
                 stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_or, stride_on, K,
-                KB, BLOCK_N, BLOCK_R, OUT_BF16, HOIST)
+                KB, BLOCK_N, BLOCK_R, OUT_BF16, HOIST, EARLY)
 
 
 @triton.jit
 def fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride_xr,
                 stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_or,
                 stride_on, K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr = False):
+                BLOCK_R: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr = False,
+                EARLY: tl.constexpr = False):
     """Program (tile, split) = program ids (0, 1): channels tile·BN … over column blocks
     [split·KB, (split+1)·KB), its [BN, BR] product stored into out[split] → (rows [BR], the
     live row count) (kernels/qk_rope.py's folded QKV launch runs it too).
@@ -99,11 +100,17 @@ def fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride
     K loop and picked per block inside it (one-hot sums of positive scales: exact), so the
     pipelined loop waits only on the cp.async tiles of x and w — loaded inside it, each scale
     is a synchronous round trip after each wait. The same values in the same operations: the
+    same bits.
+    EARLY (LinearLaunch.early_loads): x and its scales are read for all R rows of the buffer
+    (valid memory; a padding row's bytes reach only its own output column, never stored), so
+    no load waits for n_live: without it every tile load is issued after n_live's round trip
+    (sm_90 code: the first cp.async after the first wait on n_live's load). Live rows: the
     same bits."""
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     split = tl.program_id(1)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     live = rows < n_live
+    read = rows < R if EARLY else live  # [BR] the rows x and its scales are loaded for
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] output channels
     cm = c < N
     w_rows = w_ptr + c.to(tl.int64)[:, None] * stride_wn  # [BN, 1]
@@ -113,7 +120,7 @@ def fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride
         kbs = split * KB + bs
         bv = (bs < KB) & (kbs * 128 < K)
         sx_all = tl.load(sx_ptr + rows[:, None] * stride_sxr + kbs[None, :],
-                         mask=live[:, None] & bv[None, :], other=0.0)  # [BR, KBP]
+                         mask=read[:, None] & bv[None, :], other=0.0)  # [BR, KBP]
         sw_all = tl.load(ws_ptr + (c // 128)[None, :] * stride_sn + kbs[:, None] * stride_sk,
                          mask=bv[:, None] & cm[None, :], other=0.0)  # [KBP, BN]
     for i in range(KB):  # block kb of this split; past the last block every load is masked (0)
@@ -121,14 +128,14 @@ def fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride
         kk = kb * 128 + tl.arange(0, 128)  # [128] columns of scale block kb
         km = kk < K
         xq = tl.load(xq_ptr + rows[:, None] * stride_xr + kk[None, :],
-                     mask=live[:, None] & km[None, :], other=0.0)  # [BR, 128] E4M3
+                     mask=read[:, None] & km[None, :], other=0.0)  # [BR, 128] E4M3
         w = tl.load(w_rows + kk[None, :] * stride_wk, mask=cm[:, None] & km[None, :],
                     other=0.0)  # [BN, 128] E4M3
         if HOIST:
             sx = tl.sum(tl.where((bs == i)[None, :], sx_all, 0.0), axis=1)  # [BR]
             sw = tl.sum(tl.where((bs == i)[:, None], sw_all, 0.0), axis=0)  # [BN]
         else:
-            sx = tl.load(sx_ptr + rows * stride_sxr + kb, mask=live & (kb * 128 < K),
+            sx = tl.load(sx_ptr + rows * stride_sxr + kb, mask=read & (kb * 128 < K),
                          other=0.0)  # [BR]
             sw = tl.load(ws_ptr + (c // 128) * stride_sn + kb * stride_sk,
                          mask=cm & (kb * 128 < K), other=0.0)  # [BN]: each channel's block row
@@ -257,7 +264,8 @@ def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=No
         xq, sx, weight, scale_inv, n, dst, r, big_n, xq.stride(0), sx.stride(0),
         *weight.stride(), *scale_inv.stride(), stride_os, dst.stride(-2), dst.stride(-1),
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, OUT_BF16=out_bf16,
-        HOIST=cfg.hoist_scales, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HOIST=cfg.hoist_scales, EARLY=cfg.early_loads, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         **launch_opts(pdl),
     )
 

@@ -23,6 +23,9 @@ class LinearLaunch:
     # FP8: a split's row and weight scales loaded before its K loop (kernels/linear.py
     # fp8_program HOIST): the same bits
     hoist_scales: bool = False
+    # FP8: x and its scales read for every buffer row, so no load waits for the live row count
+    # (kernels/linear.py fp8_program EARLY): the same bits for the live rows
+    early_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "reduce_block"):

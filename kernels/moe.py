@@ -103,6 +103,27 @@ def _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik,
 
 
 @triton.jit
+def _slot_route_early(ids_ptr, n_live, R, stride_ir, stride_ik, K: tl.constexpr,
+                      K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+    """`_slot_lead` and `_expert_hits` at once (MoeLaunch.early_loads) → (e, lead, hit): the
+    ids of all R buffer rows are loaded without waiting for n_live (padding rows' ids are read,
+    never used: their slots are not live and their rows not valid), so the weight addresses
+    wait for one round trip, not for n_live, then the ids, then the ids again. The same e, lead
+    and hit for every program that goes on."""
+    s = tl.program_id(0)  # < R·K: a slot of the buffer
+    e = tl.load(ids_ptr + (s // K) * stride_ir + (s % K) * stride_ik)
+    rows = tl.arange(0, BLOCK_R)
+    ks = tl.arange(0, K_PAD)
+    inbuf = (rows[:, None] < R) & (ks[None, :] < K)  # [BR, K_PAD]
+    rid = tl.load(ids_ptr + rows[:, None] * stride_ir + ks[None, :] * stride_ik, mask=inbuf,
+                  other=-1)
+    slot = rows[:, None] * K + ks[None, :]
+    earlier = tl.sum(((slot < s) & inbuf & (rid == e)).to(tl.int32))
+    lead = (s // K < n_live) & (earlier == 0)  # slots before a live one are live
+    return e, lead, (rid == e) & inbuf & (rows[:, None] < n_live)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     xq_ptr, xs_ptr, ids_ptr, n_live_ptr, fc_ptr, fcs_ptr, p_ptr,
     cnt_ptr, a_ptr, aq_ptr, as_ptr,
@@ -113,14 +134,19 @@ def _moe_gate_up_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr,
     FOLD: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr,
-    HOIST: tl.constexpr, PDL: tl.constexpr,
+    HOIST: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
-    e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
+    if EARLY:
+        e, lead, hit = _slot_route_early(ids_ptr, n_live, R, stride_ir, stride_ik, K, K_PAD,
+                                         BLOCK_R)
+    else:
+        e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
     if lead == 0:
         return
-    hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
+    if not EARLY:
+        hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     uses = tl.max(hit.to(tl.int32), axis=1) > 0  # [BR] rows routed to e
     c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
@@ -271,7 +297,8 @@ def _moe_down_kernel(
     stride_wr, stride_wk, stride_or, stride_gj, stride_gs,
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FOLD: tl.constexpr,
-    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr,
+    SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launch 4 on aq, sa (launch 3's output) — or, SILU, on the gate/up partials gu [KS, S, 2I]
     themselves: each program computes its rows' SiLU(gate)·up and quantization for every
@@ -280,10 +307,15 @@ def _moe_down_kernel(
     program waits for another."""
     pdl_enter(PDL)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
-    e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
+    if EARLY:
+        e, lead, hit = _slot_route_early(ids_ptr, n_live, R, stride_ir, stride_ik, K, K_PAD,
+                                         BLOCK_R)
+    else:
+        e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
     if lead == 0:
         return
-    hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
+    if not EARLY:
+        hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
     rows = tl.arange(0, BLOCK_R)  # [BR]
     slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
     # one slot of row r routed to e (all of them hold the same intermediate), −1 if none
@@ -354,7 +386,7 @@ def _moe_down_rows_kernel(
     stride_wr, stride_wk, stride_or,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr,
-    PDL: tl.constexpr,
+    EARLY: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
     K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
@@ -362,21 +394,25 @@ def _moe_down_rows_kernel(
     the MMA's narrow side (where `_moe_down_kernel` puts row r), the other columns 0, so y_k is
     that kernel's y bit for bit and the sum is `_combine_row`'s. An expert routed to several
     rows is streamed by each of their programs (from L2 after the first: no dedup). SILU: the
-    operand from the gate/up partials (`_silu_cols`), else aq, sa."""
+    operand from the gate/up partials (`_silu_cols`), else aq, sa. EARLY (with HOIST): the row's
+    ids, router weights and operand scales are loaded before n_live is known (see
+    `_down_rows_hoisted`)."""
     pdl_enter(PDL)
     r = tl.program_id(0)
-    if r >= tl.minimum(tl.load(n_live_ptr), R):
-        return
+    n_live = tl.minimum(tl.load(n_live_ptr), R)
+    if not (HOIST and EARLY):
+        if r >= n_live:
+            return
     h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden channels
     hm = h < H
     col = tl.arange(0, BLOCK_R)
     mine = col == r  # [BR] the operand's column
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HOIST:
-        _down_rows_hoisted(r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
-                           out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
-                           stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
-                           stride_wk, stride_or, I, K, OUT_BF16)
+        _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr,
+                           w_ptr, out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik,
+                           stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk,
+                           stride_wr, stride_wk, stride_or, I, K, OUT_BF16, EARLY)
         return
     for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
         s = r * K + kk
@@ -398,18 +434,23 @@ def _moe_down_rows_kernel(
 
 
 @triton.jit
-def _down_rows_hoisted(r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr, w_ptr,
-                       out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
+def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr,
+                       w_ptr, out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
                        stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
                        stride_wk, stride_or, I: tl.constexpr, K: tl.constexpr,
-                       OUT_BF16: tl.constexpr):
+                       OUT_BF16: tl.constexpr, EARLY: tl.constexpr):
     """`_moe_down_rows_kernel`'s loop on aq, sa (MoeLaunch.down_hoist) with the row's K expert
     ids, router weights and every scale loaded before it. Triton's pipeliner carries only the
     loads that feed tl.dot (weight and operand tiles, through cp.async); a scale, weight or id
     load inside the loop is a synchronous round trip after each wait (the unhoisted loop's
     sm_90 code: ld.global of sw, sa, w and the next id between cp.async.wait_group and the
     MMAs). The same operations on the same values in the same order as `_down_block` and the
-    loop there: the same bits."""
+    loop there: the same bits.
+    EARLY (MoeLaunch.early_loads): row r may be a padding row (r ≥ n_live); its ids, router
+    weights and operand scales are in the buffers (valid memory) and are loaded before n_live
+    arrives, but nothing addressed by an id is loaded and nothing is stored for it. The three
+    loads are volatile: the compiler would otherwise sink them below the exit they do not feed
+    (sm_90 code: loaded after n_live's round trip again)."""
     K_PAD: tl.constexpr = triton.next_power_of_2(K)
     NB: tl.constexpr = triton.next_power_of_2((I + 127) // 128)  # down's K blocks, padded
     BN: tl.constexpr = h.shape[0]
@@ -417,11 +458,15 @@ def _down_rows_hoisted(r, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr
     kin = ks < K
     bs = tl.arange(0, NB)
     out = tl.zeros((BN,), dtype=tl.float32)
-    ids = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=kin, other=0)  # [K_PAD]
-    wts = tl.load(w_ptr + r * stride_wr + ks * stride_wk, mask=kin, other=0.0)  # [K_PAD]
+    ids = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=kin, other=0,
+                  volatile=EARLY)  # [K_PAD]
+    wts = tl.load(w_ptr + r * stride_wr + ks * stride_wk, mask=kin, other=0.0,
+                  volatile=EARLY)  # [K_PAD]
     bm = kin[:, None] & (bs * 128 < I)[None, :]  # [K_PAD, NB]
     sa_all = tl.load(as_ptr + (r * K + ks)[:, None] * stride_asr + bs[None, :], mask=bm,
-                     other=0.0)  # [K_PAD, NB] slot r·K + k's operand scale per block
+                     other=0.0, volatile=EARLY)  # [K_PAD, NB] slot r·K + k's scale per block
+    if r >= n_live:  # the ids above are not a live row's: no address from them
+        return
     sw_all = tl.load(ps_ptr + ids.to(tl.int64)[:, None, None] * stride_se
                      + (h // 128)[None, None, :] * stride_sn + bs[None, :, None] * stride_sk,
                      mask=bm[:, :, None] & hm[None, None, :], other=0.0)  # [K_PAD, NB, BN]
@@ -633,8 +678,8 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
         K_BLOCKS=cfg.k_blocks(g.hidden), FOLD=sc is not None, KS=ks, GROUPS=groups,
-        QUANT=quant,
-        HOIST=cfg.gate_up_hoist, num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
+        QUANT=quant, HOIST=cfg.gate_up_hoist, EARLY=cfg.early_loads,
+        num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
         **launch_opts(g.pdl),
     )
     if sc is not None or not silu:
@@ -744,7 +789,7 @@ def _down_combine(d: _Down, aq: torch.Tensor | None, sa: torch.Tensor | None,
         gu.stride(0) if silu else 0, gu.stride(1) if silu else 0,
         K=k, K_PAD=triton.next_power_of_2(k), S_PAD=max(16, triton.next_power_of_2(r * k)),
         BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, FOLD=fold, SILU=silu,
-        KS=part.shape[0] if silu else 1, OUT_BF16=bf16,
+        KS=part.shape[0] if silu else 1, OUT_BF16=bf16, EARLY=cfg.early_loads,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )
     if fold:
@@ -773,7 +818,8 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
-        HOIST=cfg.down_hoist, num_warps=cfg.down_warps, num_stages=cfg.down_stages,
+        HOIST=cfg.down_hoist, EARLY=cfg.early_loads, num_warps=cfg.down_warps,
+        num_stages=cfg.down_stages,
         **launch_opts(d.pdl),
     )
 

@@ -41,6 +41,12 @@ class MoeLaunch:
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits
     gate_up_hoist: bool = False
+    # the routing ids (and, row-major with down_hoist, the row's router weights and operand
+    # scales) loaded for every buffer row without waiting for the live row count, so the expert
+    # weights' addresses wait for one round trip, not a chain of them (kernels/moe.py
+    # _slot_route_early): gate/up and the slot-major down always, the row-major down with
+    # down_hoist; the same bits
+    early_loads: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):

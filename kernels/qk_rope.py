@@ -237,7 +237,8 @@ def _qkv_rope_kernel(
     GROUP_HEADS: tl.constexpr, ARRIVALS: tl.constexpr,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
-    BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, HOIST: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, HOIST: tl.constexpr, EARLY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (tile, split) of the QKV projection (kernels/linear.py's FP8 program, its FP32
     partial stored), then an arrival on its head group's counter: a group is GROUP_HEADS heads
@@ -248,7 +249,7 @@ def _qkv_rope_kernel(
     rows, n_rows = fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, parts_ptr, R, N,
                                stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn,
                                stride_sk, stride_ps, stride_pr, 1, K, KB, BLOCK_N, BLOCK_R,
-                               False, HOIST)
+                               False, HOIST, EARLY)
     group = tl.program_id(0) * BLOCK_N // (GROUP_HEADS * D)
     if last_arrival(cnt_ptr + group, ARRIVALS):
         for h in tl.static_range(GROUP_HEADS):
@@ -482,6 +483,7 @@ def qkv_rope(
         parts.stride(1), *call.strides,
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, GROUP_HEADS=group_heads,
         ARRIVALS=group_heads * d // cfg.block_n * s, S=s, HOIST=cfg.hoist_scales,
+        EARLY=cfg.early_loads,
         **call.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_opts(pdl),
     )

@@ -261,27 +261,36 @@ HOIST_CASES = (CASES[1], CASES[3], CASES[4],
                Case("r8of7-k640-n99-s3", 8, 7, 640, 99, LinearLaunch(32, 3)))  # last split short
 
 
-def hoisted(cfg: LinearLaunch | None, n: int, k: int) -> LinearLaunch:
-    return dataclasses.replace(cfg or linear_fp8_launch(n, k), hoist_scales=True)
+# the load placements that must not change a bit (LinearLaunch fields over the pinned launch)
+MOVED = ({"hoist_scales": True}, {"early_loads": True},
+         {"hoist_scales": True, "early_loads": True})
+
+
+def hoisted(cfg: LinearLaunch | None, n: int, k: int, **moved) -> LinearLaunch:
+    return dataclasses.replace(cfg or linear_fp8_launch(n, k), **(moved or MOVED[0]))
 
 
 @pytest.mark.parametrize("case", HOIST_CASES, ids=lambda c: c.name)
 def test_hoisted_scales_give_the_same_bits(case, device):
-    """The split's scales loaded before the K loop (LinearLaunch.hoist_scales) == loaded inside
-    it, bit for bit: partials and bf16 output, partial K and N scale blocks, 1–3 splits, a last
-    split shorter than the others (its loop runs past K, masked), strided operands; the
-    scales differ per block (random_w), so a block picked wrong shows."""
+    """The split's scales loaded before the K loop (LinearLaunch.hoist_scales), and x read for
+    every buffer row without waiting for n_live (early_loads), == the pinned loads, bit for
+    bit: partials and bf16 output, partial K and N scale blocks, 1–3 splits, a last split
+    shorter than the others (its loop runs past K, masked), strided operands; the scales differ
+    per block (random_w), so a block picked wrong shows; padding rows hold NaN and 1e30
+    (`inputs`), so a padding row read into a live row's output shows."""
     x, w, s, n = inputs(case, 31, snapped=False)
     xd, wd = place(x, device, case.strided), place(w, device, case.strided)
     sd, nd = s.to(device), n.to(device)
     live = case.n_live
-    for cfg in (case.config, hoisted(case.config, case.n, case.k)):
-        part = linear_fp8_partials(xd, wd, sd, nd, config=cfg)[:, :live]
-        out = linear_fp8(xd, wd, sd, nd, config=cfg)[:live]
-        if not cfg or not cfg.hoist_scales:
-            want = bits(part), bits(out)
-            continue
-        assert torch.equal(bits(part), want[0]) and torch.equal(bits(out), want[1])
+
+    def run(cfg):
+        return (bits(linear_fp8_partials(xd, wd, sd, nd, config=cfg)[:, :live]),
+                bits(linear_fp8(xd, wd, sd, nd, config=cfg)[:live]))
+
+    want = run(case.config)
+    for moved in MOVED:
+        got = run(hoisted(case.config, case.n, case.k, **moved))
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), moved
 
 
 def test_padded_width_is_bit_identical(device):
@@ -527,6 +536,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import linear
+from tests.kernels.sass import disassemble, round_trips_before_tiles
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -550,20 +560,25 @@ def build(fn, sig, const, **opts):
     for line in k.asm["ttgir"].splitlines():
         inside = (inside or "scf.for" in line) and "scf.yield" not in line
         got["loop_loads"] += inside and " tt.load " in line
+    # global-load round trips before the first cp.async tile load (ptxas's SASS)
+    if got[r"cp\.async"]:
+        got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
     return got
 
 u = dict(stride_wk=1, stride_on=1)
 fp8 = dict(xq_ptr="*fp8e4nv", sx_ptr="*fp32", w_ptr="*fp8e4nv", ws_ptr="*fp32",
            n_live_ptr="*i32", out_ptr="*fp32")
 res = {}
-for name, (n, k, out, hoist) in {"qkv_partials": (1024, 3072, "*fp32", False),
-                                 "o_bf16": (3072, 768, "*bf16", False),
-                                 "qkv_hoist": (1024, 3072, "*fp32", True)}.items():
+for name, (n, k, out, hoist, early) in {"qkv_partials": (1024, 3072, "*fp32", False, False),
+                                        "o_bf16": (3072, 768, "*bf16", False, False),
+                                        "qkv_hoist": (1024, 3072, "*fp32", True, False),
+                                        "qkv_early": (1024, 3072, "*fp32", False, True),
+                                        "o_early": (3072, 768, "*bf16", True, True)}.items():
     cfg = linear.linear_fp8_launch(n, k)
     s, kb = linear.split_plan(-(-k // 128), cfg.split_k)
     res[name] = build(linear._linear_fp8_kernel, dict(fp8, out_ptr=out),
                       dict(u, K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=16,
-                           OUT_BF16=out == "*bf16", HOIST=hoist, PDL=False),
+                           OUT_BF16=out == "*bf16", HOIST=hoist, EARLY=early, PDL=False),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 cfg = linear.linear_bf16_launch(20000, 3072)
 res["lm_head"] = build(linear._linear_bf16_kernel,
@@ -601,6 +616,11 @@ def test_linear_kernels_compile_for_sm90():
     # replaces loads both scales synchronously after each wait
     assert got["qkv_partials"]["loop_loads"] >= 2 and got["qkv_hoist"]["loop_loads"] == 0
     assert got["qkv_hoist"]["wgmma"] > 0 and got["qkv_hoist"]["cp\\.async"] > 0
+    # early loads: the first tile load goes out before n_live comes back, where the pinned
+    # launch waits for it first (its rows mask every x load)
+    assert got["qkv_partials"]["trips"] == got["o_bf16"]["trips"] == 1
+    assert got["qkv_early"]["trips"] == got["o_early"]["trips"] == 0
+    assert got["o_early"]["loop_loads"] == 0 and got["qkv_early"]["wgmma"] > 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ------------------------------------
@@ -624,17 +644,19 @@ def test_linear_fp8_rank_shapes(shape, n_live, snapped, device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", RANK_FP8, ids=lambda s: s[0])
 def test_hoisted_scales_rank_shapes(shape, device):
-    """LinearLaunch.hoist_scales at the pinned rank launches (compiled, wgmma) == the loop that
-    loads its scales, bit for bit, partials and bf16 output, 1 / 6 / 8 live rows."""
+    """LinearLaunch.hoist_scales and early_loads at the pinned rank launches (compiled, wgmma)
+    == the pinned loads, bit for bit, partials and bf16 output, 1 / 6 / 8 live rows."""
     _, n, k = shape
     for n_live in (1, 6, 8):
         case = Case(f"{shape[0]}-{n_live}of8", 8, n_live, k, n)
         x, w, s, nl = (t.to(device) for t in inputs(case, 320 + n_live, snapped=False))
         got = []
-        for cfg in (linear_fp8_launch(n, k), hoisted(None, n, k)):
+        for cfg in (linear_fp8_launch(n, k), *(hoisted(None, n, k, **m) for m in MOVED)):
             got.append((bits(linear_fp8_partials(x, w, s, nl, config=cfg)[:, :n_live]),
                         bits(linear_fp8(x, w, s, nl, config=cfg)[:n_live])))
-        assert all(torch.equal(a, b) for a, b in zip(*got, strict=True)), case.name
+        for moved, other in zip(MOVED, got[1:], strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got[0], other, strict=True)), \
+                (case.name, moved)
 
 
 @pytest.mark.gpu

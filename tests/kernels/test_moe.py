@@ -405,7 +405,9 @@ def test_moved_launches_differ_when_their_inputs_do(device):
 
 
 HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
-          {"down_hoist": True, "gate_up_hoist": True})
+          {"down_hoist": True, "gate_up_hoist": True}, {"early_loads": True},
+          {"early_loads": True, "down_hoist": True, "gate_up_hoist": True},
+          {"early_loads": True, "down_rows": False})  # the slot-major down, loaded early
 
 
 def hoist_label(h: dict) -> str:
@@ -416,9 +418,12 @@ def hoist_label(h: dict) -> str:
                          ids=lambda c: c.name)
 def test_hoisted_loads_give_the_same_bits(case, device):
     """Expert ids, router weights and scales loaded before the expert and K loops
-    (MoeLaunch.down_hoist, gate_up_hoist) == loaded inside them, bit for bit: 1 of 8 rows, a
-    partial K block, I = 64, 96 and 192 (a partial second block of down). The pinned H200
-    launch: test_moe_tp8_hoisted_loads_give_the_same_bits (a GPU)."""
+    (MoeLaunch.down_hoist, gate_up_hoist), and the routing loaded for every buffer row before
+    n_live is known (early_loads), == loaded where the pinned launch loads them, bit for bit:
+    1 of 8 rows, a partial K block, I = 64, 96 and 192 (a partial second block of down);
+    padding rows route to experts with NaN scales (`make_inputs`), so a padding row taken for
+    a live one shows. The pinned H200 launch: test_moe_tp8_hoisted_loads_give_the_same_bits
+    (a GPU)."""
     d = to_dev(make_inputs(case, 47), device)
     cfg = case.config or moe_launch(case.hidden, case.inter, torch.device(device).type)
     cfg = dataclasses.replace(cfg, down_rows=True, silu_in_down=False, fold_combine=False)
@@ -658,6 +663,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import moe
+from tests.kernels.sass import disassemble, round_trips_before_tiles
 
 def build(fn, sig, const, opts, div16):
     full = {n: "constexpr" if n in const else sig.get(n, "i32") for n in fn.arg_names}
@@ -673,6 +679,8 @@ def build(fn, sig, const, opts, div16):
     for line in k.asm["ttgir"].splitlines():
         inside = (inside or "scf.for" in line) and "scf.yield" not in line
         got["loop_loads"] += inside and " tt.load " in line
+    if got["cp.async"]:  # global-load round trips before the first tile load (SASS)
+        got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
     return got
 
 tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
@@ -687,7 +695,7 @@ out = {
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
              y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32, gu_ptr=f32),
         dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=True,
-             SILU=False, KS=1, OUT_BF16=False),
+             SILU=False, KS=1, OUT_BF16=False, EARLY=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "as_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "stride_aqr", "stride_pe",
          "stride_pn", "stride_yr"]),
@@ -695,7 +703,7 @@ out = {
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
              y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32, gu_ptr=f32),
         dict(tp8, BLOCK_N=cfg.down_block_n, stride_pk=1, stride_ik=1, FOLD=False,
-             SILU=True, KS=cfg.k_splits(3072), OUT_BF16=False),
+             SILU=True, KS=cfg.k_splits(3072), OUT_BF16=False, EARLY=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "y_ptr", "gu_ptr", "stride_pe", "stride_pn",
          "stride_yr", "stride_gj", "stride_gs"]),
@@ -703,7 +711,8 @@ out = {
         dict(aq_ptr=f32, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False),
+             stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False,
+             EARLY=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
@@ -712,21 +721,27 @@ out = {
         dict(K=8, BLOCK_H=cfg.combine_block_h, OUT_BF16=True, PDL=False), dict(num_warps=4),
         []),
 }
-for name, fold, hoist in (("gate_up", True, False), ("gate_up_hoist", False, True)):
+for name, fold, hoist, early in (("gate_up", True, False, False),
+                                 ("gate_up_hoist", False, True, False),
+                                 ("gate_up_pinned", False, False, False),
+                                 ("gate_up_early", False, False, True)):
     out[name] = build(moe._moe_gate_up_kernel,
         dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
              cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
-             stride_ik=1, FOLD=fold, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=hoist),
+             stride_ik=1, FOLD=fold, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=hoist,
+             EARLY=early),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
-for hoist in (False, True):  # the row-major down on aq, sa: scales in the loop or hoisted
-    out[f"down_rows_{'hoist' if hoist else 'aq'}"] = build(moe._moe_down_rows_kernel,
+# the row-major down on aq, sa: scales in the loop, hoisted, hoisted and loaded early
+for name, hoist, early in (("aq", False, False), ("hoist", True, False),
+                           ("hoist_early", True, True)):
+    out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist),
+             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist, EARLY=early),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
          "stride_pe", "stride_pn", "stride_or"])
@@ -766,6 +781,11 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("gate_up_hoist", "down_rows_hoist"):
         h = got[name]
         assert h["loop_loads"] == 0 and h["cp.async"] > 0 and h["mma.sync"] > 0, name
+    # early loads (ptxas's SASS): the first expert-weight tile waits for one global round trip
+    # (the ids, issued beside n_live), where the pinned launches chain n_live → ids (→ ids)
+    assert got["gate_up_pinned"]["trips"] >= 3 and got["gate_up_early"]["trips"] == 1
+    assert got["down_rows_hoist"]["trips"] >= 2 and got["down_rows_hoist_early"]["trips"] == 1
+    assert got["gate_up_early"]["mma.sync"] > 0 and got["down_rows_hoist_early"]["mma.sync"] > 0
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -844,8 +864,9 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
 @pytest.mark.parametrize("hoist", HOISTS, ids=hoist_label)
 @pytest.mark.parametrize("n_live", [1, 6, 8])
 def test_moe_tp8_hoisted_loads_give_the_same_bits(n_live, hoist, device):
-    """The pinned TP8 launch with ids, router weights and scales hoisted out of the loops ==
-    loaded inside them, bit for bit (compiled, pipelined), over 10 graph replays."""
+    """The pinned TP8 launch with ids, router weights and scales hoisted out of the loops, or
+    the routing loaded before n_live arrives (early_loads), == the pinned loads, bit for bit
+    (compiled, pipelined), over 10 graph replays."""
     case = Case(f"tp8-hoist-{n_live}of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 640 + n_live), device)
     cfg = dataclasses.replace(moe_launch(3072, 192), down_hoist=False, gate_up_hoist=False)

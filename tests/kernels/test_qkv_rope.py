@@ -51,8 +51,10 @@ class Case:
 
 CASES = (
     # tiles of 16 channels, 2 per head, 2 splits of 2 blocks (the second one past K): 4
-    # arrivals per head; the linear program's scales hoisted (LinearLaunch.hoist_scales)
-    Case("tile16-d32-ring-6of8", 4, 2, 32, 8, 384, LinearLaunch(16, 2, hoist_scales=True),
+    # arrivals per head; the linear program's scales hoisted and its x loaded before n_live
+    # (LinearLaunch.hoist_scales, early_loads)
+    Case("tile16-d32-ring-6of8", 4, 2, 32, 8, 384,
+         LinearLaunch(16, 2, hoist_scales=True, early_loads=True),
          (20, 21, 22, 23, 24, 25, -7, -7), 6, KVLayout.make_ring(16, 7, 2, 32)),
     # tiles of 64 channels: 2 heads per group, 2 splits
     Case("tile64-d32-full-5of8", 4, 2, 32, 8, 256, LinearLaunch(64, 2),
@@ -231,7 +233,7 @@ def test_fused_kernel_compiles_for_sm90():
                v_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16", label_ptr="*i32", eps="fp32")
     const = dict(K=3072, KB=3, BLOCK_N=64, BLOCK_R=16, GROUP_HEADS=1, ARRIVALS=16, HQ=6, HKV=1,
                  D=128, ROT=32, S=8, NORM=True, WRITE_KV=True, RING=True, BLOCK_D=128,
-                 INTERPRET=False, HOIST=False, PDL=False)
+                 INTERPRET=False, HOIST=False, EARLY=False, PDL=False)
     _, on = fusion_counts("qk_rope", "_qkv_rope_kernel", ptr, const,
                           (r"atom\.global\.gpu\.acq_rel", r"ld\.volatile", r"mul\.rn\.f32",
                            r"add\.(rn\.)?f64"))
