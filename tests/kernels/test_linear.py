@@ -284,8 +284,14 @@ def test_hoisted_scales_give_the_same_bits(case, device):
     live = case.n_live
 
     def run(cfg):
-        return (bits(linear_fp8_partials(xd, wd, sd, nd, config=cfg)[:, :live]),
-                bits(linear_fp8(xd, wd, sd, nd, config=cfg)[:live]))
+        splits = linear_fp8_splits(case.n, case.k, cfg)
+        part = linear_fp8_partials(xd, wd, sd, nd, config=cfg, out=poisoned(
+            (splits, case.rows, case.n), torch.float32, device))
+        out = linear_fp8(xd, wd, sd, nd, config=cfg,
+                         out=poisoned((case.rows, case.n), torch.bfloat16, device))
+        assert_live_written_pad_untouched(part, live, f"partials {cfg}")
+        assert_live_written_pad_untouched(out, live, f"out {cfg}")
+        return bits(part[:, :live]), bits(out[:live])
 
     want = run(case.config)
     for moved in MOVED:
