@@ -9,7 +9,9 @@ An override replaces named fields of the pinned configuration at each call
 (dataclasses.replace, so the configuration's own checks run). Most fields change no bit
 (channel tiles, warps, stages, sampler tiles and selection, the MoE's moved launches, the
 packed top-k, the router's prefetched weights, the tails' column chunks, the QKV launch's
-folded qk_rope, the hoisted scale loads); MoeLaunch.gate_up_k_blocks and LinearLaunch.split_k
+folded qk_rope, the hoisted scale loads, the early loads, the weight prefetch before the PDL
+wait and the MoE tail's early release — the last two need `--pdl on`);
+MoeLaunch.gate_up_k_blocks and LinearLaunch.split_k
 do (they move a K split), within the tolerance rows.
 
 Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample,

@@ -10,15 +10,21 @@ stream-ordered" assumption (kernels/readiness.py) holds. Every program must reac
 kernel whose programs all exit without it could complete before its predecessor and release its
 successor too early.
 
-No kernel calls `griddepcontrol.launch_dependents`, so a successor is released when its
-predecessor's programs have exited (the implicit trigger) rather than when they start. Measured
+By default no kernel calls `griddepcontrol.launch_dependents`, so a successor is released when
+its predecessor's programs have exited (the implicit trigger) rather than when they start. Measured
 in the rank round on the H200 (`python -m benchmarks.rank --pdl ab --widths 6 --contexts 1K 64K
 --reps 3`; reports/benchmarks/h200-2026-11-30/session7/rank_pdl_trigger_call7.log and
 rank_pdl_waitonly_call8.log): with the early trigger at the top of every kernel PDL cost +0.4 %
 (1K) and +1.4 % (64K) — the waiting successors' programs hold SM slots the primary still needs —
 and without it PDL saved 0.9 % (11.092 → 10.995 ms at 1K, 11.743 → 11.643 ms at 64K). A trigger
 pays only after work that does not depend on the predecessor (e.g. weight prefetch before the
-wait), which no kernel here does.
+wait). That pair is built as switches, off until measured: the MoE tail releases its successor
+at its start (`pdl_enter(PDL, RELEASE)`, TailLaunch.moe_release) — its grid is small and
+latency-bound, so the next layer's QKV programs find free SMs — and the FP8 linear prefetches
+its weight slice into L2 before its wait (`prefetch_l2`, LinearLaunch.prefetch_w): the weights
+are no predecessor's output, so reading them early changes nothing the wait protects. An early
+release is always safe for the data: the successor's wait still waits for this kernel to
+complete and its stores to be visible.
 
 Kernels launched without PDL (torch ops between ours) release their successor at completion as
 usual, so a PDL kernel after one starts after it.
@@ -34,10 +40,24 @@ import triton.language as tl
 
 
 @triton.jit
-def pdl_enter(PDL: tl.constexpr):
-    """First statement of a PDL-capable kernel (see the module docstring)."""
+def pdl_enter(PDL: tl.constexpr, RELEASE: tl.constexpr = False):
+    """First statement of a PDL-capable kernel (see the module docstring). RELEASE: let the next
+    launch on the stream start now (its own wait still waits for this kernel to complete)."""
     if PDL:
+        if RELEASE:
+            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask, fallback):
+    """A cache hint: bring the 128-byte lines at ptrs (where mask; elsewhere the valid address
+    fallback) into L2 with evict-last priority. Reads nothing into registers, writes nothing,
+    changes no bit; PTX `prefetch.global.L2::evict_last`, so compiled code only (the
+    interpreter runs no inline assembly — callers use it only with PDL, which it refuses)."""
+    p = tl.where(mask, ptrs, fallback).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;",
+                              "=r,l", [p], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def launch_opts(pdl: bool, **compile_opts) -> dict:

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from kernels.checks import check_quantized, check_tensor, live_count
 from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act
-from kernels.launch import launch_opts, pdl_enter
+from kernels.launch import launch_opts, pdl_enter, prefetch_l2
 from kernels.linear_launch import LinearLaunch, linear_bf16_launch, linear_fp8_launch, split_plan
 from kernels.twin import twin
 from reference.params import FP8_BLOCK
@@ -76,15 +76,32 @@ def _linear_fp8_kernel(
     stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn, stride_sk,
     stride_os, stride_or, stride_on,
     K: tl.constexpr, KB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    OUT_BF16: tl.constexpr, HOIST: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    OUT_BF16: tl.constexpr, HOIST: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """x arrives quantized (kernels.fp8.quantize_act, one launch before this one): quantizing
     inside the K loop made every program redo ~2k IEEE divisions per 128-column block, which
     left the H200 run at 5-8% of HBM bandwidth (reports/benchmarks/h200-2026-11-29)."""
+    if PREFETCH:  # before the PDL wait: the weights are no predecessor's output
+        prefetch_weights(w_ptr, N, K, stride_wn, stride_wk, KB, BLOCK_N)
     pdl_enter(PDL)
     fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, out_ptr, R, N, stride_xr, stride_sxr,
                 stride_wn, stride_wk, stride_sn, stride_sk, stride_os, stride_or, stride_on, K,
                 KB, BLOCK_N, BLOCK_R, OUT_BF16, HOIST, EARLY)
+
+
+@triton.jit
+def prefetch_weights(w_ptr, N, K: tl.constexpr, stride_wn, stride_wk, KB: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """Program (tile, split)'s weight slice [BN, KB·128] E4M3 into L2 (LinearLaunch.prefetch_w):
+    one 128-byte line per channel and 128-column block (a whole line when the row is
+    contiguous)."""
+    c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    bs = tl.arange(0, triton.next_power_of_2(KB))  # [KBP]
+    k0 = (tl.program_id(1) * KB + bs) * 128  # first column of each block
+    mask = (c < N)[:, None] & ((bs < KB) & (k0 < K))[None, :]  # [BN, KBP]
+    prefetch_l2(w_ptr + c.to(tl.int64)[:, None] * stride_wn + k0[None, :] * stride_wk, mask,
+                w_ptr)
 
 
 @triton.jit
@@ -253,8 +270,16 @@ def _finish(partials, n_live, out, s, r, n, out_dtype, cfg: LinearLaunch, *,
     return out
 
 
+def check_prefetch(cfg: LinearLaunch, pdl: bool) -> None:
+    """LinearLaunch.prefetch_w works only ahead of a PDL wait: refuse it without."""
+    if cfg.prefetch_w and not pdl:
+        raise ValueError("LinearLaunch.prefetch_w: prefetches the weights before the PDL wait; "
+                         "needs pdl=True (programmatic dependent launch)")
+
+
 def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=None, *,
                 pdl=False):
+    check_prefetch(cfg, pdl)
     r, k = x.shape
     big_n = weight.shape[0]
     # [R, K] E4M3, [R, ⌈K/128⌉] fp32; rows ≥ n untouched
@@ -264,8 +289,8 @@ def _launch_fp8(x, weight, scale_inv, n, dst, s, kb, out_bf16, cfg, quantized=No
         xq, sx, weight, scale_inv, n, dst, r, big_n, xq.stride(0), sx.stride(0),
         *weight.stride(), *scale_inv.stride(), stride_os, dst.stride(-2), dst.stride(-1),
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, OUT_BF16=out_bf16,
-        HOIST=cfg.hoist_scales, EARLY=cfg.early_loads, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        HOIST=cfg.hoist_scales, EARLY=cfg.early_loads, PREFETCH=cfg.prefetch_w,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_opts(pdl),
     )
 

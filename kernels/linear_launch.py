@@ -26,6 +26,10 @@ class LinearLaunch:
     # FP8: x and its scales read for every buffer row, so no load waits for the live row count
     # (kernels/linear.py fp8_program EARLY): the same bits for the live rows
     early_loads: bool = False
+    # FP8 with PDL: each program prefetches its weight slice into L2 before its PDL wait
+    # (kernels/launch.py prefetch_l2), so a predecessor that releases it early
+    # (TailLaunch.moe_release) hides the weight stream; needs pdl; changes no bit
+    prefetch_w: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k", "reduce_block"):

@@ -41,7 +41,14 @@ from kernels.checks import check_quantized, check_tensor, live_count
 from kernels.fp8 import bf16_rne, quantize_act
 from kernels.kv_cache import check_cache
 from kernels.launch import launch_opts, pdl_enter
-from kernels.linear import BLOCK_R, _check_fp8_args, _partials_buffer, fp8_program
+from kernels.linear import (
+    BLOCK_R,
+    _check_fp8_args,
+    _partials_buffer,
+    check_prefetch,
+    fp8_program,
+    prefetch_weights,
+)
 from kernels.linear_launch import LinearLaunch
 from kernels.twin import twin
 from reference import ops
@@ -238,13 +245,15 @@ def _qkv_rope_kernel(
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
     S: tl.constexpr, NORM: tl.constexpr, WRITE_KV: tl.constexpr, RING: tl.constexpr,
     BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, HOIST: tl.constexpr, EARLY: tl.constexpr,
-    PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile, split) of the QKV projection (kernels/linear.py's FP8 program, its FP32
     partial stored), then an arrival on its head group's counter: a group is GROUP_HEADS heads
     (whole tiles of ≥ one head), ARRIVALS = its tiles × S programs; the last to arrive runs
     the standalone kernel's code on the group's heads for every row at once, reading the
     partials the others stored (volatile)."""
+    if PREFETCH:  # before the PDL wait: the weights are no predecessor's output
+        prefetch_weights(w_ptr, N, K, stride_wn, stride_wk, KB, BLOCK_N)
     pdl_enter(PDL)
     rows, n_rows = fp8_program(xq_ptr, sx_ptr, w_ptr, ws_ptr, n_live_ptr, parts_ptr, R, N,
                                stride_xr, stride_sxr, stride_wn, stride_wk, stride_sn,
@@ -460,6 +469,7 @@ def qkv_rope(
     code, module docstring of kernels/arrival.py). The weight's channel tile and the head dim
     must divide one another (both powers of two). Arguments as the two wrappers'."""
     r, k, width, cfg, (s, kb) = _check_fp8_args(x, weight, scale_inv, config)
+    check_prefetch(cfg, pdl)
     call = _prepare(width, r, x.device, q_norm_weight, k_norm_weight, positions, table, n_live,
                     num_q_heads, num_kv_heads, eps, q_out, k_out, v_out, cache)
     d = width // call.heads
@@ -483,7 +493,7 @@ def qkv_rope(
         parts.stride(1), *call.strides,
         K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=BLOCK_R, GROUP_HEADS=group_heads,
         ARRIVALS=group_heads * d // cfg.block_n * s, S=s, HOIST=cfg.hoist_scales,
-        EARLY=cfg.early_loads,
+        EARLY=cfg.early_loads, PREFETCH=cfg.prefetch_w,
         **call.constexprs, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_opts(pdl),
     )

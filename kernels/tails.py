@@ -215,12 +215,13 @@ def _moe_tail_kernel(
     WRITE_POLLS: tl.constexpr, WRITE_X: tl.constexpr, QUANT: tl.constexpr,
     GROUPS: tl.constexpr, TABLE: tl.constexpr, PART_BF16: tl.constexpr,
     REARM_PARTS: tl.constexpr, CHUNK: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-    trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
+    trace_ptr, TRACE: tl.constexpr, RELEASE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, chunk) of a grid [R, K]. K = 1: the whole row (CHUNK = BLOCK_H). K > 1:
     each chunk stages f = bf16(Σ) of its columns in x's buffer, and the row's last arrival runs
-    the row on the staged f (kernels/row_chunks.py)."""
-    pdl_enter(PDL)
+    the row on the staged f (kernels/row_chunks.py). RELEASE (TailLaunch.moe_release): the next
+    launch may start now."""
+    pdl_enter(PDL, RELEASE)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     pid = row * K + chunk
@@ -511,6 +512,9 @@ def moe_tail(
     2 xn / x stored (the row's last chunk), 3 end."""
     p = partials_arg(partials)
     cfg = config or tail_launch(p.shape[-1])
+    if cfg.moe_release and not pdl:
+        raise ValueError("TailLaunch.moe_release: releases the next launch early through "
+                         "programmatic dependent launch; needs pdl=True")
     npart, rows, hidden, n = _check_common(p, n_live, fail_flag, max_polls, rearm, polls, cfg)
     dev = p.device
     _check_rows("h", h, rows, hidden, (torch.bfloat16,), dev)
@@ -541,7 +545,7 @@ def moe_tail(
         GROUPS=groups(hidden), TABLE=p.table, PART_BF16=p.dtype == torch.bfloat16,
         REARM_PARTS=re_parts, CHUNK=chunk, K=k, KP=pow2(k),
         trace_ptr=out.xn if trace is None else trace,
-        TRACE=trace is not None, num_warps=cfg.num_warps,
+        TRACE=trace is not None, RELEASE=cfg.moe_release, num_warps=cfg.num_warps,
         **launch_opts(pdl, enable_fp_fusion=False),
     )
     return out

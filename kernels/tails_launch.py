@@ -26,6 +26,10 @@ class TailLaunch:
     # same bits either way
     moe_chunk_groups: int = 0
     attn_chunk_groups: int = 0
+    # with PDL: the MoE tail lets the next launch (the next layer's QKV projection) start at
+    # once, so its programs can prefetch their weights (LinearLaunch.prefetch_w) while the tail
+    # runs (kernels/launch.py pdl_enter RELEASE); needs pdl; changes no bit
+    moe_release: bool = False
 
     def __post_init__(self) -> None:
         for name in ("moe_chunk_groups", "attn_chunk_groups"):

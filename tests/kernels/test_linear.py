@@ -299,6 +299,17 @@ def test_hoisted_scales_give_the_same_bits(case, device):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), moved
 
 
+def test_weight_prefetch_needs_pdl(device):
+    """LinearLaunch.prefetch_w prefetches before the PDL wait: without PDL it is refused before
+    any launch (quantization included), in both wrappers and the folded QKV launch."""
+    case = CASES[1]
+    x, w, s, n = (t.to(device) for t in inputs(case, 33, snapped=False))
+    cfg = dataclasses.replace(case.config or linear_fp8_launch(case.n, case.k), prefetch_w=True)
+    for fn in (linear_fp8, linear_fp8_partials):
+        with pytest.raises(ValueError, match="prefetch_w: .* needs pdl=True"):
+            fn(x, w, s, n, config=cfg)
+
+
 def test_padded_width_is_bit_identical(device):
     """5 live rows in an 8-row buffer give exactly the bits of a 5-row buffer."""
     case = Case("pad", 8, 5, 200, 99, LinearLaunch(32, 2))
@@ -569,6 +580,9 @@ def build(fn, sig, const, **opts):
     # global-load round trips before the first cp.async tile load (ptxas's SASS)
     if got[r"cp\.async"]:
         got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
+    wait, pre = ptx.find("griddepcontrol.wait"), ptx.find("prefetch.global.L2::evict_last")
+    got["prefetches"] = ptx.count("prefetch.global.L2::evict_last")
+    got["prefetch_before_wait"] = int(0 <= pre < wait)
     return got
 
 u = dict(stride_wk=1, stride_on=1)
@@ -579,12 +593,15 @@ for name, (n, k, out, hoist, early) in {"qkv_partials": (1024, 3072, "*fp32", Fa
                                         "o_bf16": (3072, 768, "*bf16", False, False),
                                         "qkv_hoist": (1024, 3072, "*fp32", True, False),
                                         "qkv_early": (1024, 3072, "*fp32", False, True),
-                                        "o_early": (3072, 768, "*bf16", True, True)}.items():
+                                        "o_early": (3072, 768, "*bf16", True, True),
+                                        "qkv_prefetch": (1024, 3072, "*fp32", False, False)
+                                        }.items():
     cfg = linear.linear_fp8_launch(n, k)
     s, kb = linear.split_plan(-(-k // 128), cfg.split_k)
     res[name] = build(linear._linear_fp8_kernel, dict(fp8, out_ptr=out),
                       dict(u, K=k, KB=kb, BLOCK_N=cfg.block_n, BLOCK_R=16,
-                           OUT_BF16=out == "*bf16", HOIST=hoist, EARLY=early, PDL=False),
+                           OUT_BF16=out == "*bf16", HOIST=hoist, EARLY=early,
+                           PREFETCH=name == "qkv_prefetch", PDL=name == "qkv_prefetch"),
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 cfg = linear.linear_bf16_launch(20000, 3072)
 res["lm_head"] = build(linear._linear_bf16_kernel,
@@ -627,6 +644,11 @@ def test_linear_kernels_compile_for_sm90():
     assert got["qkv_partials"]["trips"] == got["o_bf16"]["trips"] == 1
     assert got["qkv_early"]["trips"] == got["o_early"]["trips"] == 0
     assert got["o_early"]["loop_loads"] == 0 and got["qkv_early"]["wgmma"] > 0
+    # LinearLaunch.prefetch_w (with PDL): the program's weight slice (64 channels × 3 blocks)
+    # prefetched into L2 before the PDL wait; no prefetch anywhere else
+    pre = got["qkv_prefetch"]
+    assert pre["prefetch_before_wait"] == 1 and pre["prefetches"] >= 1 and pre["trips"] == 1
+    assert all(g["prefetches"] == 0 for name, g in got.items() if name != "qkv_prefetch")
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ------------------------------------

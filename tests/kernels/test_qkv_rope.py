@@ -233,7 +233,7 @@ def test_fused_kernel_compiles_for_sm90():
                v_ptr="*bf16", ck_ptr="*bf16", cv_ptr="*bf16", label_ptr="*i32", eps="fp32")
     const = dict(K=3072, KB=3, BLOCK_N=64, BLOCK_R=16, GROUP_HEADS=1, ARRIVALS=16, HQ=6, HKV=1,
                  D=128, ROT=32, S=8, NORM=True, WRITE_KV=True, RING=True, BLOCK_D=128,
-                 INTERPRET=False, HOIST=False, EARLY=False, PDL=False)
+                 INTERPRET=False, HOIST=False, EARLY=False, PREFETCH=False, PDL=False)
     _, on = fusion_counts("qk_rope", "_qkv_rope_kernel", ptr, const,
                           (r"atom\.global\.gpu\.acq_rel", r"ld\.volatile", r"mul\.rn\.f32",
                            r"add\.(rn\.)?f64"))

@@ -657,6 +657,60 @@ def test_cuda_graph_replay_and_no_host_sync_gpu(device):
 
 
 @pytest.mark.gpu
+def test_moe_tail_release_and_prefetching_qkv_change_no_bit_gpu(device):
+    """TailLaunch.moe_release + LinearLaunch.prefetch_w under PDL, in one CUDA graph: the MoE
+    tail releases the QKV projection at its start, the projection's programs prefetch their
+    weights and then wait — so they run beside the tail and must still read the x it quantizes
+    only after it completed. Against the same two launches with PDL alone, over replays whose
+    tail inputs change (a stale x would show) at n_live 8, 6, 1: the same bits."""
+    from kernels.linear import linear_fp8_launch, linear_fp8_partials, linear_fp8_splits
+
+    case = replace(REAL, name="release")
+    d = on(make_inputs(case, 71), device)
+    gen = torch.Generator().manual_seed(72)
+    w = (torch.randn(1024, 3072, generator=gen) * 64).clamp(-448, 448).to(E4M3).to(device)
+    ws = (torch.rand(8, 24, generator=gen) + 0.5).to(device)
+    flag = torch.zeros(1, dtype=torch.int32, device=device)
+    n_live = torch.tensor([8], dtype=torch.int32, device=device)
+    parts = d["partials"].nan_to_num(0.0)
+    h = d["xn"].nan_to_num(0.0)
+    pinned_t, pinned_l = tail_launch(3072, 256), linear_fp8_launch(1024, 3072)
+    runs = {}
+    for name, tcfg, lcfg in (("pdl", pinned_t, pinned_l),
+                             ("release", replace(pinned_t, moe_release=True),
+                              replace(pinned_l, prefetch_w=True))):
+        mo = MoeTailOut(torch.empty(8, 3072, dtype=torch.bfloat16, device=device))
+        out = torch.full((linear_fp8_splits(1024, 3072, lcfg), 8, 1024), float("nan"),
+                         device=device)
+
+        def step(mo=mo, out=out, tcfg=tcfg, lcfg=lcfg):
+            moe_tail(parts, h, d["next_norm"], n_live, flag, eps=EPS, ffn_out_scale=FFN_SCALE,
+                     max_polls=1 << 20, out=mo, quantize=True, config=tcfg, pdl=True)
+            linear_fp8_partials(mo.xn, w, ws, n_live, out=out, quantized=(mo.xq, mo.sx),
+                                config=lcfg, pdl=True)
+
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with graph_capture(graph):
+            step()
+        runs[name] = (graph, out)
+    base = parts.clone()
+    for i, live in enumerate((8, 6, 1)):
+        parts.copy_(base * (1.0 + 0.25 * i))  # new tail inputs each replay
+        n_live.fill_(live)
+        got = {}
+        for name, (graph, out) in runs.items():
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            got[name] = out[:, :live].cpu().view(torch.int32)
+        assert flag.item() == 0
+        assert not torch.isnan(got["pdl"].view(torch.float32)).any()
+        assert torch.equal(got["release"], got["pdl"]), f"n_live {live}"
+
+
+@pytest.mark.gpu
 def test_bench_attn_tail_router(benchmark):
     """Attention tail + folded router, 6 live rows, N = 8 partials, H 3072, E 256, K 8; a graph
     of 40 calls cycling 40 router copies (120 MB ≫ L2). Divide the reported time by 40."""
@@ -846,6 +900,9 @@ def test_wrapper_errors(device):
     with pytest.raises(ValueError, match=r"h: expected shape \(8, 128\)"):
         moe_tail(d["partials"], d["h"][:3], d["next_norm"], d["n_live"], flag, eps=EPS,
                  ffn_out_scale=1.0, max_polls=1)
+    with pytest.raises(ValueError, match="moe_release: .* needs pdl=True"):
+        moe_tail(d["partials"], d["h"], d["next_norm"], d["n_live"], flag, eps=EPS,
+                 ffn_out_scale=1.0, max_polls=1, config=TailLaunch(moe_release=True))
 
 
 @pytest.mark.parametrize("n", [0, 2])
@@ -914,7 +971,12 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
         keys = ("ld.volatile.global", "atom.global.gpu.acq_rel", "atom.global.gpu.release",
                 "ld.global.gpu.acquire", "bar.sync", "fma.rn.f32",
                 "sqrt.rn.f32", "div.rn.f32", "ex2.approx", "%globaltimer", "ld.global")
-        return {key: ptx.count(key) for key in keys}
+        got = {key: ptx.count(key) for key in keys}
+        wait = ptx.find("griddepcontrol.wait")
+        release = ptx.find("griddepcontrol.launch_dependents")
+        got["release_before_wait"] = int(0 <= release < wait)
+        got["pdl_wait"] = int(wait >= 0)
+        return got
 
     bf, i32 = "*bf16", "*i32"
     common = {"xn_ptr": bf, "w_aon_ptr": bf, "w_ffn_ptr": bf, "h_ptr": bf, "f_ptr": bf,
@@ -945,17 +1007,19 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
                 "TRACE": trace, "COUNT_READY": count, "PDL": False,
                 "CHUNK": 4096 if k == 1 else 256, "K": k, "KP": pow2(k)},
             cfg.num_warps)
-    for quant, trace, k in ((False, False, 1), (True, False, 1), (True, True, 1), (True, False, 6)):
+    for quant, trace, k, release in ((False, False, 1, False), (True, False, 1, False),
+                                     (True, True, 1, False), (True, False, 6, False),
+                                     (True, False, 6, True)):
         table = {"part_ptr": "*i64"} if quant else {}  # the quantizing tail reads via a table
         stats["moe" + ("_quant" if quant else "") + ("_trace" if trace else "")
-              + ("_chunks" if k > 1 else "")] = build(
+              + ("_chunks" if k > 1 else "") + ("_release" if release else "")] = build(
             T._moe_tail_kernel,
             common | {"q_ptr": "*fp8e4nv", "s_ptr": "*fp32"} | table | chunk_ptrs, {
                 "HIDDEN": 3072, "BLOCK_H": 4096, "NPART": 8, "REARM": True,
                 "WRITE_POLLS": False, "WRITE_X": True, "QUANT": quant, "GROUPS": 32,
                 "TABLE": quant, "PART_BF16": False, "REARM_PARTS": 1 + quant,
                 "CHUNK": 4096 if k == 1 else 512, "K": k, "KP": pow2(k), "TRACE": trace,
-                "PDL": False},
+                "RELEASE": release, "PDL": release},
             cfg.num_warps)
     return stats
 
@@ -986,6 +1050,11 @@ def test_compiled_kernels_build_for_sm90():
     assert stats["moe_quant_chunks"]["atom.global.gpu.acq_rel"] == 1
     assert stats["moe_quant_chunks"]["bar.sync"] > stats["moe_quant"]["bar.sync"]
     assert stats["moe_quant"]["atom.global.gpu.acq_rel"] == 0
+    # TailLaunch.moe_release (with PDL): the next launch released before this one's wait; the
+    # others neither wait (no PDL here) nor release
+    assert stats["moe_quant_chunks_release"]["release_before_wait"] == 1
+    assert stats["moe_quant_chunks_release"]["pdl_wait"] == 1
+    assert all(not s["pdl_wait"] for n, s in stats.items() if n != "moe_quant_chunks_release")
     # the quantizing MoE tail divides more: each group's scale and each value by it (IEEE)
     assert stats["moe_quant"]["div.rn.f32"] > stats["moe"]["div.rn.f32"]
     # timestamps only when traced: start + 3 per row program, 3 per router program
