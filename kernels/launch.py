@@ -18,13 +18,14 @@ rank_pdl_waitonly_call8.log): with the early trigger at the top of every kernel 
 (1K) and +1.4 % (64K) — the waiting successors' programs hold SM slots the primary still needs —
 and without it PDL saved 0.9 % (11.092 → 10.995 ms at 1K, 11.743 → 11.643 ms at 64K). A trigger
 pays only after work that does not depend on the predecessor (e.g. weight prefetch before the
-wait). That pair is built as switches, off until measured: the MoE tail releases its successor
-at its start (`pdl_enter(PDL, RELEASE)`, TailLaunch.moe_release) — its grid is small and
-latency-bound, so the next layer's QKV programs find free SMs — and the FP8 linear prefetches
-its weight slice into L2 before its wait (`prefetch_l2`, LinearLaunch.prefetch_w): the weights
-are no predecessor's output, so reading them early changes nothing the wait protects. An early
+wait). That pair is built as switches: the MoE tail releases its successor at its start
+(`pdl_enter(PDL, RELEASE)`, TailLaunch.moe_release) — its grid is small and latency-bound, so
+the next layer's QKV programs find free SMs — and the FP8 linear prefetches its weight slice
+into L2 before its wait (`prefetch_l2`, LinearLaunch.prefetch_w): the weights are no
+predecessor's output, so reading them early changes nothing the wait protects. An early
 release is always safe for the data: the successor's wait still waits for this kernel to
-complete and its stores to be visible.
+complete and its stores to be visible. Measured 0.9–1.4 % slower rounds on the H100 with PDL
+on (reports/benchmarks/h100-2026-12-07/), so off; PDL itself was 1.1–1.5 % faster there.
 
 Kernels launched without PDL (torch ops between ours) release their successor at completion as
 usual, so a PDL kernel after one starts after it.

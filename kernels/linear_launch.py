@@ -21,14 +21,17 @@ class LinearLaunch:
     num_stages: int = 3
     reduce_block: int = 1024  # channels per program of the split-K reduction
     # FP8: a split's row and weight scales loaded before its K loop (kernels/linear.py
-    # fp8_program HOIST): the same bits
+    # fp8_program HOIST): the same bits. Off: with the MoE hoists 8–12 % slower rounds on the
+    # H100 (reports/benchmarks/h100-2026-12-07/)
     hoist_scales: bool = False
     # FP8: x and its scales read for every buffer row, so no load waits for the live row count
-    # (kernels/linear.py fp8_program EARLY): the same bits for the live rows
+    # (kernels/linear.py fp8_program EARLY): the same bits for the live rows. Off: within ±0.4 %
+    # on the H100, once 3.8 % slower (reports/benchmarks/h100-2026-12-07/)
     early_loads: bool = False
     # FP8 with PDL: each program prefetches its weight slice into L2 before its PDL wait
     # (kernels/launch.py prefetch_l2), so a predecessor that releases it early
-    # (TailLaunch.moe_release) hides the weight stream; needs pdl; changes no bit
+    # (TailLaunch.moe_release) hides the weight stream; needs pdl; changes no bit. Off: the
+    # pair is 0.9–1.4 % slower on the H100 (reports/benchmarks/h100-2026-12-07/)
     prefetch_w: bool = False
 
     def __post_init__(self) -> None:

@@ -36,7 +36,8 @@ class MoeLaunch:
     down_rows: bool = False
     # down_rows' expert ids, router weights and scales loaded before its expert loop, so the
     # loop waits only on the tiles the pipeliner carries (kernels/moe.py _down_rows_hoisted):
-    # the same bits; needs down_rows on aq, sa (not silu_in_down)
+    # the same bits; needs down_rows on aq, sa (not silu_in_down). Off: 1.3–3.9 % slower
+    # rounds with gate_up_hoist on the H100 (reports/benchmarks/h100-2026-12-07/)
     down_hoist: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits
@@ -45,7 +46,8 @@ class MoeLaunch:
     # scales) loaded for every buffer row without waiting for the live row count, so the expert
     # weights' addresses wait for one round trip, not a chain of them (kernels/moe.py
     # _slot_route_early): gate/up and the slot-major down always, the row-major down with
-    # down_hoist; the same bits
+    # down_hoist; the same bits. Off: 1.2–1.5 % faster rounds at width 8 but 0.6–1.0 % slower
+    # at width 6 on the H100 (reports/benchmarks/h100-2026-12-07/)
     early_loads: bool = False
 
     def __post_init__(self) -> None:

@@ -28,7 +28,8 @@ class TailLaunch:
     attn_chunk_groups: int = 0
     # with PDL: the MoE tail lets the next launch (the next layer's QKV projection) start at
     # once, so its programs can prefetch their weights (LinearLaunch.prefetch_w) while the tail
-    # runs (kernels/launch.py pdl_enter RELEASE); needs pdl; changes no bit
+    # runs (kernels/launch.py pdl_enter RELEASE); needs pdl; changes no bit. Off: see
+    # LinearLaunch.prefetch_w
     moe_release: bool = False
 
     def __post_init__(self) -> None:
