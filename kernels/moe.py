@@ -64,6 +64,7 @@ from kernels.checks import check_quantized, check_tensor, live_count
 from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act, quantize_cols, quantize_groups
 from kernels.launch import launch_opts, pdl_enter
 from kernels.moe_launch import MoeLaunch, moe_launch
+from kernels.timeline import check_trace, stamp, stamp_at, stamp_start
 from kernels.twin import twin
 from reference.twins import moe as _twins
 
@@ -386,7 +387,7 @@ def _moe_down_rows_kernel(
     stride_wr, stride_wk, stride_or,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr,
-    EARLY: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
     K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
@@ -396,13 +397,19 @@ def _moe_down_rows_kernel(
     rows is streamed by each of their programs (from L2 after the first: no dedup). SILU: the
     operand from the gate/up partials (`_silu_cols`), else aq, sa. EARLY (with HOIST): the row's
     ids, router weights and operand scales are loaded before n_live is known (see
-    `_down_rows_hoisted`)."""
+    `_down_rows_hoisted`).
+    TRACE (`moe_fp8(trace=…)`, not with HOIST): per program (r, t) at pid r·T + t, slot 0 its
+    start (and its SM), 1 past the live-row exit, 2 + k after expert k's term is summed (slot 9:
+    the last expert's when K > 8), 10 after its store (kernels/timeline.py)."""
     pdl_enter(PDL)
     r = tl.program_id(0)
+    pid = r * tl.num_programs(1) + tl.program_id(1)
+    stamp_start(trace_ptr, pid, TRACE)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     if not (HOIST and EARLY):
         if r >= n_live:
             return
+    stamp(trace_ptr, pid, 1, TRACE)
     h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden channels
     hm = h < H
     col = tl.arange(0, BLOCK_R)
@@ -427,10 +434,12 @@ def _moe_down_rows_kernel(
                               stride_pk, stride_sn, stride_sk, I, KS, SILU)
         y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
         out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
+        stamp_at(trace_ptr, pid, tl.minimum(2 + kk, 9), TRACE)
     if OUT_BF16:
         tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
     else:
         tl.store(out_ptr + r * stride_or + h, out, mask=hm)
+    stamp(trace_ptr, pid, 10, TRACE)
 
 
 @triton.jit
@@ -733,10 +742,11 @@ class _Down:
     out: torch.Tensor  # [R, H] bf16 | fp32
     cfg: MoeLaunch
     pdl: bool
+    trace: torch.Tensor | None = None  # [R·T, SLOTS] int64: the row-major down's stamps
 
 
 def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype, config,
-               pdl) -> _Down:
+               pdl, trace=None) -> _Down:
     dev = weights.device
     check_tensor("weights", weights, dims=2, dtypes=(torch.float32,), device=dev)
     r = weights.shape[0]
@@ -757,7 +767,12 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
     if cfg.fold_combine and tiles > MAX_TILES:
         raise ValueError(f"MoeLaunch.down_block_n: {cfg.down_block_n} gives {tiles} hidden "
                          f"tiles at H {hidden}; the folded combine counts at most {MAX_TILES}")
-    return _Down(weights, ids, proj, proj_scale_inv, n, out, cfg, pdl)
+    if trace is not None:
+        if not cfg.down_rows or cfg.down_hoist:
+            raise ValueError("trace: stamps the row-major down's expert loop (MoeLaunch."
+                             "down_rows on, down_hoist off)")
+        check_trace(trace, r * tiles, dev)
+    return _Down(weights, ids, proj, proj_scale_inv, n, out, cfg, pdl, trace)
 
 
 def _down_combine(d: _Down, aq: torch.Tensor | None, sa: torch.Tensor | None,
@@ -818,9 +833,9 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
-        HOIST=cfg.down_hoist, EARLY=cfg.early_loads, num_warps=cfg.down_warps,
-        num_stages=cfg.down_stages,
-        **launch_opts(d.pdl),
+        HOIST=cfg.down_hoist, EARLY=cfg.early_loads,
+        trace_ptr=out if d.trace is None else d.trace, TRACE=d.trace is not None,
+        num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )
 
 
@@ -869,21 +884,26 @@ def moe_fp8(
     quantized: tuple[torch.Tensor, torch.Tensor] | None = None,  # see moe_gate_up_fp8
     scratch: MoeScratch | None = None,  # see moe_gate_up_fp8
     pdl: bool = False,
+    trace: torch.Tensor | None = None,  # [R·⌈H/down_block_n⌉, SLOTS] int64 (kernels/timeline.py)
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
 
     Bit for bit moe_down_fp8(moe_gate_up_fp8(x, …), …): the SiLU launch quantizes the FP32
     intermediate it computed with quantize_act's operations instead of storing it.
     n_live is never read on the host, so the call is CUDA-graph capturable for a fixed R. Rows ≥ n
-    of x, weights, ids are never read and of out never written. ids must be valid expert indices
-    (checked by the router, not here: checking device values would need a host sync).
+    of x, weights, ids are never used (with MoeLaunch.early_loads the ids, router weights and
+    scales of padding rows are read, valid memory, and dropped) and of out never written. ids
+    must be valid expert indices (checked by the router, not here: checking device values would
+    need a host sync).
     pdl: programmatic dependent launch (kernels/launch.py).
-    """
+    trace (CUDA only, the row-major down of MoeLaunch.down_rows without down_hoist): per-program
+    timestamps of the down launch (`_moe_down_rows_kernel`'s slots)."""
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if proj.dim() == 3 and proj.shape[1] != x.shape[1]:
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
     g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl)
-    d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl)
+    d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl,
+                   trace)
     if scratch is None and (g.cfg.fold_silu or g.cfg.fold_combine):
         scratch = MoeScratch.create(x.device)
     if g.cfg.silu_in_down:

@@ -32,6 +32,14 @@ def stamp(trace_ptr, pid, slot: tl.constexpr, ON: tl.constexpr):
 
 
 @triton.jit
+def stamp_at(trace_ptr, pid, slot, ON: tl.constexpr):
+    """trace[pid, slot] = the global timer now (ns), when ON, for a slot known only at run time
+    (a loop's step); the caller keeps it below SM_SLOT."""
+    if ON:
+        tl.store(trace_ptr + pid * 12 + slot, tl.extra.cuda.globaltimer())
+
+
+@triton.jit
 def stamp_start(trace_ptr, pid, ON: tl.constexpr):
     """Slot 0 = the program's first statement's time, slot 11 (SM_SLOT) = its SM id, when ON."""
     if ON:

@@ -467,6 +467,11 @@ def test_hoisted_loads_read_what_they_must(device):
         planted[i] = bad
         got = moe_fp8(*planted, config=cfg)[:n].cpu().view(torch.int16)
         assert not torch.equal(got, want), i
+    with pytest.raises(ValueError, match="trace: stamps the row-major down"):
+        moe_fp8(*args, config=cfg, trace=torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
+        moe_fp8(*args, config=dataclasses.replace(cfg, down_hoist=False),
+                trace=torch.zeros(8 * 4, 12, dtype=torch.int64))
     with pytest.raises(ValueError, match="down_hoist: .* needs down_rows on"):
         MoeLaunch(32, 64, 128, down_hoist=True)
     with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
@@ -680,7 +685,7 @@ def build(fn, sig, const, opts, div16):
     ptx = k.asm["ptx"]
     got = {t: len(re.findall(t, ptx))
            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
-                     "ld.volatile.global")}
+                     "ld.volatile.global", "%globaltimer")}
     # synchronous loads inside a loop body (TTGIR between scf.for and its scf.yield)
     inside, got["loop_loads"] = False, 0
     for line in k.asm["ttgir"].splitlines():
@@ -719,7 +724,7 @@ out = {
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
              stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False,
-             EARLY=False),
+             EARLY=False, TRACE=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
@@ -741,14 +746,16 @@ for name, fold, hoist, early in (("gate_up", True, False, False),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
-# the row-major down on aq, sa: scales in the loop, hoisted, hoisted and loaded early
-for name, hoist, early in (("aq", False, False), ("hoist", True, False),
-                           ("hoist_early", True, True)):
+# the row-major down on aq, sa: scales in the loop, hoisted, hoisted and loaded early, traced
+for name, hoist, early, trace in (("aq", False, False, False), ("hoist", True, False, False),
+                                  ("hoist_early", True, True, False),
+                                  ("trace", False, False, True)):
     out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
-             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
+             ps_ptr=f32, w_ptr=f32, out_ptr="*bf16", trace_ptr="*i64"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
-             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist, EARLY=early),
+             stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist, EARLY=early,
+             TRACE=trace),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
          "stride_pe", "stride_pn", "stride_or"])
@@ -793,6 +800,11 @@ def test_moe_kernels_compile_for_sm90():
     assert got["gate_up_pinned"]["trips"] >= 3 and got["gate_up_early"]["trips"] == 1
     assert got["down_rows_hoist"]["trips"] >= 2 and got["down_rows_hoist_early"]["trips"] == 1
     assert got["gate_up_early"]["mma.sync"] > 0 and got["down_rows_hoist_early"]["mma.sync"] > 0
+    # the traced row-major down (moe_fp8 trace=…): its stamps read the global timer (start,
+    # past the exit, per expert, after the store), the same pipelined loop; untraced, none do
+    tr = got["down_rows_trace"]
+    assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0
+    assert all(g["%globaltimer"] == 0 for name, g in got.items() if name != "down_rows_trace")
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -865,6 +877,32 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
     on = dataclasses.replace(cfg, silu_in_down=moved[0], fold_combine=moved[1],
                              down_rows=moved[2])
     assert_replays_give(args, on, want, n_live, device)
+
+
+@pytest.mark.gpu
+def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(device):
+    """moe_fp8(trace=…) at the pinned TP8 launch: the untraced bits, and per live program (row,
+    hidden tile) its stamps in program order — start ≤ past the exit ≤ expert 0 ≤ … ≤ expert 7
+    ≤ stored — on its SM; padding rows' programs stamp only their start."""
+    from kernels.timeline import SM_SLOT, new_trace
+
+    n_live = 6
+    case = Case("tp8-trace-6of8", **TP8, rows=8, n_live=n_live)
+    d = to_dev(make_inputs(case, 660), device)
+    cfg = moe_launch(3072, 192)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
+    tiles = -(-3072 // cfg.down_block_n)
+    trace = new_trace(8 * tiles, device)
+    got = moe_fp8(*args, config=cfg, trace=trace)[:n_live].view(torch.int16)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    t = trace.cpu().view(8, tiles, -1)
+    live, pad = t[:n_live], t[n_live:]
+    steps = live[..., :11]  # slots 0 … 10
+    assert (steps > 0).all() and (steps[..., 1:] >= steps[..., :-1]).all()
+    assert (pad[..., 0] > 0).all() and (pad[..., 1:SM_SLOT] == 0).all()
+    assert ((t[..., SM_SLOT] >= 0) & (t[..., SM_SLOT] < 1024)).all()
 
 
 @pytest.mark.gpu

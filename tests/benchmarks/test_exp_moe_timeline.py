@@ -1,0 +1,72 @@
+"""benchmarks/exp_moe_timeline.py's reading of a trace, on synthetic stamps (the stamps themselves
+need a GPU: tests/kernels/test_moe.py
+test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.exp_moe_timeline import MILESTONES, launch_stats, main, summarize, table
+from kernels.timeline import SLOTS, SM_SLOT
+
+
+def synthetic(launches: int = 3, rows: int = 8, tiles: int = 4, live: int = 6) -> torch.Tensor:
+    """Launch l starts at 10 ms + 1 ms·l (a timer never reads 0); live program (r, t) starts
+    1 µs + 100 ns·(r·T + t) after it, passes its exit 200 ns later, then expert k takes (1 + k)
+    µs (+ 1 µs more for expert 0), stores 300 ns after the last; programs on SM (r·T + t) mod
+    5. Padding rows stamp their start only, at the launch's start."""
+    tr = torch.zeros(launches, rows, tiles, SLOTS, dtype=torch.int64)
+    for l in range(launches):
+        for r in range(rows):
+            for t in range(tiles):
+                pid = r * tiles + t
+                base = 10_000_000 + 1_000_000 * l
+                s = base + 1_000 + 100 * pid
+                tr[l, r, t, SM_SLOT] = pid % 5
+                if r >= live:
+                    tr[l, r, t, 0] = base
+                    continue
+                stamps = [s, s + 200]
+                for k in range(8):
+                    stamps.append(stamps[-1] + 1_000 * (1 + k) + (1_000 if k == 0 else 0))
+                stamps.append(stamps[-1] + 300)
+                tr[l, r, t, :11] = torch.tensor(stamps)
+    return tr
+
+
+def test_launch_stats_read_the_milestones():
+    tr = synthetic()
+    st = launch_stats(tr, 6)
+    last = 6 * 4 - 1  # the last live program
+    assert torch.allclose(st["last start"], torch.full((3,), (1_000 + 100 * last) / 1e3,
+                                                       dtype=torch.float64))
+    assert torch.allclose(st["expert 0"], torch.full((3,), 2.0, dtype=torch.float64))
+    for k in range(1, 8):
+        assert torch.allclose(st[f"expert {k}"], torch.full((3,), 1.0 + k, dtype=torch.float64))
+    end = 1_000 + 100 * last + 200 + 1_000 * 37 + 300
+    assert torch.allclose(st["stored"], torch.full((3,), end / 1e3, dtype=torch.float64))
+    assert st["programs / SM"].tolist() == [5.0] * 3  # 24 live programs over 5 SMs
+    assert list(st) == list(MILESTONES)
+    s = summarize(st)
+    assert s["expert 3"] == [4.0, 4.0, 4.0]
+    assert "| expert 7 | 8.00 [8.00, 8.00] |" in table(
+        [{"rows": 6, "distinct": 44, "graph_us": 50.0, "milestones": s}])
+
+
+def test_padding_rows_do_not_count_but_start_the_clock():
+    tr = synthetic()
+    six, four = launch_stats(tr, 6), launch_stats(tr, 4)
+    assert (four["stored"] < six["stored"]).all()
+    tr[:, 6:, :, 0] = 0  # no padding program stamped: the clock starts at the first live one
+    assert torch.allclose(launch_stats(tr, 6)["exit"], six["exit"] - 1.0)
+
+
+def test_refusals():
+    with pytest.raises(SystemExit):
+        main(["--rows", "3"])  # bench_moe defines no routing for 3 rows
+    with pytest.raises(SystemExit):
+        main(["--launches", "0"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            main(["--rows", "6"])
