@@ -1,20 +1,23 @@
-"""Where the row-major MoE down's time goes: per-program timestamps (kernels/timeline.py) of the
-pinned `_moe_down_rows_kernel` inside a CUDA graph of back-to-back moe_fp8 calls, each on the
-next of bench_moe's disjoint expert sets (so the weights stream from HBM as in a decode round).
+"""Where the MoE's two GEMM launches spend their time: per-program timestamps
+(kernels/timeline.py) of the pinned gate/up (`_moe_gate_up_kernel`) and row-major down
+(`_moe_down_rows_kernel`) inside a CUDA graph of back-to-back moe_fp8 calls, each on the next of
+bench_moe's disjoint expert sets (so the weights stream from HBM as in a decode round).
 
     python -m benchmarks.exp_moe_timeline --rows 1 6 8 --json moe_timeline.json
 
 Every row count is checked against the twin first (benchmarks/bench_moe.py check_against_twin).
-Each call's down launch is stamped into its own trace; a launch's stamps are measured from its
-first program's start. Per row count, over all launches of all replays, the median and the
-10th / 90th percentile of:
+Each call's two launches are stamped into their own traces; a launch's stamps are measured from
+its first program's start, over the programs that pass their exit (the down: live rows; gate/up:
+each routed expert's lead slot). Per row count, over all launches of all replays, the median and
+the 10th / 90th percentile of:
 
-  last start       the last live program's start: how long the grid takes to become resident
-  exit             the median live program past its live-row check
-  expert k         the median live program's time from its previous stamp to expert k's term
-                   summed (expert 0: from the exit, so the pipeline's first tiles included)
-  stored           the last live program's store
-  programs / SM    the most live programs of one launch that ran on one SM
+  last start         the last such program's start: how long the grid takes to become resident
+  exit               the median program past its exit
+  expert k / block k the median program's time from its previous stamp to step k done (the
+                     down: expert k's term summed; gate/up: hidden block k of its K split; step
+                     0 from the exit, so the pipeline's first tiles included; NaN: no such step)
+  stored             the last such program's store
+  programs / SM      the most such programs of one launch that ran on one SM
 
 `graph µs` is the untraced call's time (gate/up, SiLU and down) in the same run, for scale.
 """
@@ -29,36 +32,43 @@ import torch
 
 from benchmarks.bench_moe import DEFAULT_DISTINCT, BenchSpec, build_problem, check_against_twin
 from benchmarks.timing import capture_graph, time_graph
-from kernels.timeline import SLOTS, SM_SLOT
+from kernels.timeline import SM_SLOT
 
-EXPERT_SLOTS = 8  # slots 2 … 9: one per expert of the top-8 (kernels/moe.py)
-MILESTONES = ("last start", "exit", *(f"expert {k}" for k in range(EXPERT_SLOTS)), "stored",
-              "programs / SM")
+STEP_SLOTS = 8  # slots 2 … 9: the down's experts, gate/up's hidden blocks (kernels/moe.py)
 
 
-def launch_stats(trace: torch.Tensor, live: int) -> dict[str, torch.Tensor]:
-    """trace [L, R, T, SLOTS] int64 (L launches of R rows × T hidden tiles) → {milestone: [L]}
-    (µs; programs / SM a count) over the live rows' programs."""
-    n = trace.shape[0]
-    starts = trace[..., 0].reshape(n, -1).double()
-    t0 = starts.where(starts > 0, torch.inf).min(dim=1).values  # [L] first stamped start
-    t = trace[:, :live].reshape(n, -1, SLOTS).double()  # [L, P, SLOTS]
-    us = (t - t0[:, None, None]) / 1e3
-    out = {"last start": us[:, :, 0].max(dim=1).values,
-           "exit": us[:, :, 1].median(dim=1).values}
-    steps = (t[:, :, 2:2 + EXPERT_SLOTS] - t[:, :, 1:1 + EXPERT_SLOTS]) / 1e3  # [L, P, 8]
-    for k in range(EXPERT_SLOTS):
-        out[f"expert {k}"] = steps[:, :, k].median(dim=1).values
-    out["stored"] = us[:, :, 10].max(dim=1).values
-    sm = trace[:, :live, :, SM_SLOT].reshape(n, -1)
-    out["programs / SM"] = torch.stack([torch.bincount(s).max() for s in sm]).double()
+def milestones(kind: str) -> tuple[str, ...]:
+    step = {"down": "expert", "gate_up": "block"}[kind]
+    return ("last start", "exit", *(f"{step} {k}" for k in range(STEP_SLOTS)), "stored",
+            "programs / SM")
+
+
+def launch_stats(trace: torch.Tensor, kind: str = "down") -> dict[str, torch.Tensor]:
+    """trace [L, P, SLOTS] int64 (L launches of P programs; kind "down" or "gate_up") → {milestone:
+    [L]} (µs from each launch's first stamped start; programs / SM a count) over the programs
+    that passed their exit (slot 1 stamped: live rows of the down, lead slots of gate/up)."""
+    names = milestones(kind)
+    out = {m: torch.empty(trace.shape[0], dtype=torch.float64) for m in names}
+    for i, tr in enumerate(trace):
+        starts = tr[:, 0].double()
+        t0 = starts[starts > 0].min()
+        went = tr[tr[:, 1] > 0]  # [P', SLOTS]
+        us = (went.double() - t0) / 1e3
+        out["last start"][i] = us[:, 0].max()
+        out["exit"][i] = us[:, 1].median()
+        steps = (went[:, 2:2 + STEP_SLOTS] - went[:, 1:1 + STEP_SLOTS]).double() / 1e3
+        steps[went[:, 2:2 + STEP_SLOTS] == 0] = torch.nan  # a step the loop does not have
+        for k in range(STEP_SLOTS):
+            out[names[2 + k]][i] = steps[:, k].nanmedian()
+        out["stored"][i] = us[:, 10].max()
+        out["programs / SM"][i] = float(torch.bincount(went[:, SM_SLOT]).max())
     return out
 
 
 def summarize(stats: dict[str, torch.Tensor]) -> dict[str, list[float]]:
-    """{milestone: [L]} → {milestone: [p10, median, p90]}."""
+    """{milestone: [L]} → {milestone: [p10, median, p90]} (NaN: a step no launch has)."""
     q = torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64)
-    return {k: [round(float(x), 3) for x in torch.quantile(v, q)] for k, v in stats.items()}
+    return {k: [round(float(x), 3) for x in torch.nanquantile(v, q)] for k, v in stats.items()}
 
 
 def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int) -> dict:
@@ -70,36 +80,39 @@ def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int)
     p = build_problem(spec, dev)
     check = check_against_twin(p)
     cfg = moe_launch(spec.hidden, spec.inter)
-    tiles = -(-spec.hidden // cfg.down_block_n)
+    programs = {"down": spec.buffer_rows * -(-spec.hidden // cfg.down_block_n),
+                "gate_up": spec.buffer_rows * spec.top_k * -(-spec.inter // cfg.gate_up_block_n)
+                * cfg.k_splits(spec.hidden)}
     out = torch.empty(spec.buffer_rows, spec.hidden, dtype=torch.bfloat16, device=dev)
-    traces = [new_trace(spec.buffer_rows * tiles, dev) for _ in range(launches)]
+    traces = {k: [new_trace(n, dev) for _ in range(launches)] for k, n in programs.items()}
 
-    def call(j: int, trace=None):
+    def call(j: int, traced: bool):
         s = j % p.sets
+        tr = dict(trace=traces["down"][j], gate_up_trace=traces["gate_up"][j]) if traced else {}
         return lambda: moe_fp8(p.x, p.weights[s], p.ids[s], p.fc[0], p.fc_s[0], p.proj[0],
-                               p.proj_s[0], p.n_live, out=out, config=cfg, trace=trace)
+                               p.proj_s[0], p.n_live, out=out, config=cfg, **tr)
 
-    graph_us = time_graph([call(j) for j in range(launches)], launches, trials, 3)
-    graph = capture_graph([call(j, traces[j]) for j in range(launches)], launches)
-    got = []
+    graph_us = time_graph([call(j, False) for j in range(launches)], launches, trials, 3)
+    graph = capture_graph([call(j, True) for j in range(launches)], launches)
+    got = {k: [] for k in traces}
     for _ in range(replays):
-        for t in traces:
+        for t in (*traces["down"], *traces["gate_up"]):
             t.zero_()
         graph.replay()
         torch.cuda.synchronize()
-        got.append(torch.stack(traces).cpu().view(launches, spec.buffer_rows, tiles, SLOTS))
-    stats = launch_stats(torch.cat(got), rows)
+        for k, ts in traces.items():
+            got[k].append(torch.stack(ts).cpu())
     return {"rows": rows, "distinct": distinct, "launches": launches * replays,
-            "graph_us": graph_us, "check": check, "milestones": summarize(stats)}
+            "graph_us": graph_us, "check": check,
+            **{k: summarize(launch_stats(torch.cat(v), k)) for k, v in got.items()}}
 
 
-def table(results: list[dict]) -> str:
-    head = "| milestone | " + " | ".join(f"{r['rows']} rows ({r['distinct']} experts)"
-                                         for r in results) + " |"
+def table(results: list[dict], kind: str) -> str:
+    head = f"| {kind} | " + " | ".join(f"{r['rows']} rows ({r['distinct']} experts)"
+                                       for r in results) + " |"
     lines = [head, "|" + " --- |" * (len(results) + 1)]
-    for m in MILESTONES:
-        cells = [f"{v[1]:.2f} [{v[0]:.2f}, {v[2]:.2f}]" for v in
-                 (r["milestones"][m] for r in results)]
+    for m in milestones(kind):
+        cells = [f"{v[1]:.2f} [{v[0]:.2f}, {v[2]:.2f}]" for v in (r[kind][m] for r in results)]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("| graph µs (untraced call) | " + " | ".join(f"{r['graph_us']:.1f}"
                                                           for r in results) + " |")
@@ -126,7 +139,8 @@ def main(argv=None) -> list[dict]:
     for r in a.rows:
         results.append(run_rows(r, distinct[r], a.launches, a.replays, a.trials))
         print(f"[{r} rows] checked: {results[-1]['check']['kernel_vs_twin']}", flush=True)
-    print(table(results))
+    for kind in ("gate_up", "down"):
+        print(table(results, kind))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1))
         print(f"wrote {a.json}")

@@ -135,9 +135,15 @@ def _moe_gate_up_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, S_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr,
     FOLD: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr,
-    HOIST: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr,
+    HOIST: tl.constexpr, EARLY: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Launch 2: program (slot, channel tile, K split). TRACE (`moe_fp8(gate_up_trace=…)`): at
+    pid (slot·T + tile)·KS + split, slot 0 its start (and SM), 1 past the lead exit (an expert's
+    first live slot goes on), 2 + b after hidden block b's products (slot 9: the last block's
+    when the split has more than 8), 10 after its partials are stored (kernels/timeline.py)."""
     pdl_enter(PDL)
+    pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * KS + tl.program_id(2)
+    stamp_start(trace_ptr, pid, TRACE)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
     if EARLY:
         e, lead, hit = _slot_route_early(ids_ptr, n_live, R, stride_ir, stride_ik, K, K_PAD,
@@ -146,6 +152,7 @@ def _moe_gate_up_kernel(
         e, lead = _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
     if lead == 0:
         return
+    stamp(trace_ptr, pid, 1, TRACE)
     if not EARLY:
         hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
     rows = tl.arange(0, BLOCK_R)  # [BR]
@@ -159,13 +166,14 @@ def _moe_gate_up_kernel(
     acc_u = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     acc_g, acc_u = _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j,
                                  stride_xqr, stride_xsr, stride_fn, stride_fk, stride_sn,
-                                 stride_sk, H, I, K_BLOCKS, HOIST)
+                                 stride_sk, H, I, K_BLOCKS, HOIST, trace_ptr, pid, TRACE)
     # every slot (r, k) routed to e gets the row's partials: part[j, slot, c] gate, [.., I + c] up
     slot = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]  # [BR, K_PAD]
     dst = p_ptr + j * stride_pj + slot[None, :, :] * stride_ps + c[:, None, None]  # [BN, BR, KP]
     sm = cm[:, None, None] & hit[None, :, :]
     tl.store(dst, acc_g[:, :, None], mask=sm)
     tl.store(dst + I, acc_u[:, :, None], mask=sm)
+    stamp(trace_ptr, pid, 10, TRACE)
     if FOLD:
         _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
                    stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
@@ -175,7 +183,8 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, stride_xqr,
                   stride_xsr, stride_fn, stride_fk, stride_sn, stride_sk, H: tl.constexpr,
-                  I: tl.constexpr, K_BLOCKS: tl.constexpr, HOIST: tl.constexpr):
+                  I: tl.constexpr, K_BLOCKS: tl.constexpr, HOIST: tl.constexpr, trace_ptr, pid,
+                  TRACE: tl.constexpr):
     """acc_g, acc_u [BN, BR] += gate and up tiles c of expert e (w_e, s_e) times the routed
     rows' activations over K split j's hidden blocks, each block scaled in FP32.
     HOIST (MoeLaunch.gate_up_hoist): the split's activation scales and gate and up weight scales
@@ -218,6 +227,7 @@ def _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j, 
         xh = xq.to(tl.float16)
         acc_g += tl.dot(wg.to(tl.float16), xh) * (sg[:, None] * xs[None, :])
         acc_u += tl.dot(wu.to(tl.float16), xh) * (su[:, None] * xs[None, :])
+        stamp_at(trace_ptr, pid, tl.minimum(2 + b, 9), TRACE)
     return acc_g, acc_u
 
 
@@ -612,9 +622,11 @@ class _GateUp:
     k: int
     cfg: MoeLaunch
     pdl: bool
+    trace: torch.Tensor | None = None  # [S·T·KS, SLOTS] int64: launch 2's stamps
 
 
-def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl) -> _GateUp:
+def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl,
+                  trace=None) -> _GateUp:
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     r, hidden = x.shape
     _check_rows(r)
@@ -626,11 +638,14 @@ def _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl) -> _
     inter = fc.shape[1] // 2
     n = live_count(n_live, r, dev)
     cfg = config or moe_launch(hidden, inter, dev.type)
+    if trace is not None:
+        check_trace(trace, r * k * triton.cdiv(inter, cfg.gate_up_block_n)
+                    * cfg.k_splits(hidden), dev)
     if quantized is None:
         xq, xs = quantize_act(x, n, pdl=pdl)
     else:
         xq, xs = check_quantized("quantized", quantized, r, hidden, dev)
-    return _GateUp(xq, xs, ids, fc, fc_scale_inv, n, r, hidden, inter, k, cfg, pdl)
+    return _GateUp(xq, xs, ids, fc, fc_scale_inv, n, r, hidden, inter, k, cfg, pdl, trace)
 
 
 @dataclass(frozen=True)
@@ -688,6 +703,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         BLOCK_N=cfg.gate_up_block_n, BLOCK_R=BLOCK_R,
         K_BLOCKS=cfg.k_blocks(g.hidden), FOLD=sc is not None, KS=ks, GROUPS=groups,
         QUANT=quant, HOIST=cfg.gate_up_hoist, EARLY=cfg.early_loads,
+        trace_ptr=part if g.trace is None else g.trace, TRACE=g.trace is not None,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
         **launch_opts(g.pdl),
     )
@@ -885,6 +901,7 @@ def moe_fp8(
     scratch: MoeScratch | None = None,  # see moe_gate_up_fp8
     pdl: bool = False,
     trace: torch.Tensor | None = None,  # [R·⌈H/down_block_n⌉, SLOTS] int64 (kernels/timeline.py)
+    gate_up_trace: torch.Tensor | None = None,  # [R·K·⌈I/gate_up_block_n⌉·KS, SLOTS] int64
 ) -> torch.Tensor:
     """Σ_k weights[r, k] · expert_{ids[r, k]}(x_r) for live rows r < n → [R, H] (bf16 default).
 
@@ -897,11 +914,12 @@ def moe_fp8(
     need a host sync).
     pdl: programmatic dependent launch (kernels/launch.py).
     trace (CUDA only, the row-major down of MoeLaunch.down_rows without down_hoist): per-program
-    timestamps of the down launch (`_moe_down_rows_kernel`'s slots)."""
+    timestamps of the down launch (`_moe_down_rows_kernel`'s slots); gate_up_trace (CUDA only):
+    those of the gate/up launch (`_moe_gate_up_kernel`'s slots)."""
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))
     if proj.dim() == 3 and proj.shape[1] != x.shape[1]:
         raise ValueError(f"proj: expected dim 1 = hidden {x.shape[1]}, got {tuple(proj.shape)}")
-    g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl)
+    g = _gate_up_call(x, ids, fc, fc_scale_inv, n_live, config, quantized, pdl, gate_up_trace)
     d = _down_call(weights, ids, proj, proj_scale_inv, g.n, g.inter, out, out_dtype, g.cfg, pdl,
                    trace)
     if scratch is None and (g.cfg.fold_silu or g.cfg.fold_combine):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.exp_moe_timeline import MILESTONES, launch_stats, main, summarize, table
+from benchmarks.exp_moe_timeline import launch_stats, main, milestones, summarize, table
 from kernels.timeline import SLOTS, SM_SLOT
 
 
@@ -35,9 +35,13 @@ def synthetic(launches: int = 3, rows: int = 8, tiles: int = 4, live: int = 6) -
     return tr
 
 
+def flat(tr: torch.Tensor) -> torch.Tensor:
+    return tr.view(tr.shape[0], -1, SLOTS)
+
+
 def test_launch_stats_read_the_milestones():
     tr = synthetic()
-    st = launch_stats(tr, 6)
+    st = launch_stats(flat(tr))
     last = 6 * 4 - 1  # the last live program
     assert torch.allclose(st["last start"], torch.full((3,), (1_000 + 100 * last) / 1e3,
                                                        dtype=torch.float64))
@@ -47,19 +51,30 @@ def test_launch_stats_read_the_milestones():
     end = 1_000 + 100 * last + 200 + 1_000 * 37 + 300
     assert torch.allclose(st["stored"], torch.full((3,), end / 1e3, dtype=torch.float64))
     assert st["programs / SM"].tolist() == [5.0] * 3  # 24 live programs over 5 SMs
-    assert list(st) == list(MILESTONES)
+    assert list(st) == list(milestones("down"))
     s = summarize(st)
     assert s["expert 3"] == [4.0, 4.0, 4.0]
     assert "| expert 7 | 8.00 [8.00, 8.00] |" in table(
-        [{"rows": 6, "distinct": 44, "graph_us": 50.0, "milestones": s}])
+        [{"rows": 6, "distinct": 44, "graph_us": 50.0, "down": s}], "down")
 
 
-def test_padding_rows_do_not_count_but_start_the_clock():
+def test_steps_a_loop_does_not_have_are_nan():
+    """gate/up's split of 6 blocks stamps slots 2 … 7 only: blocks 6 and 7 read NaN."""
+    tr = flat(synthetic())
+    tr[:, :, 8:10] = 0
+    st = launch_stats(tr, "gate_up")
+    assert list(st)[2:10] == [f"block {k}" for k in range(8)]
+    assert torch.allclose(st["block 5"], torch.full((3,), 6.0, dtype=torch.float64))
+    assert st["block 6"].isnan().all() and st["block 7"].isnan().all()
+    assert summarize(st)["block 7"][1] != summarize(st)["block 7"][1]  # NaN
+
+
+def test_programs_past_no_exit_do_not_count_but_start_the_clock():
     tr = synthetic()
-    six, four = launch_stats(tr, 6), launch_stats(tr, 4)
+    six, four = launch_stats(flat(tr)), launch_stats(flat(synthetic(live=4)))
     assert (four["stored"] < six["stored"]).all()
     tr[:, 6:, :, 0] = 0  # no padding program stamped: the clock starts at the first live one
-    assert torch.allclose(launch_stats(tr, 6)["exit"], six["exit"] - 1.0)
+    assert torch.allclose(launch_stats(flat(tr))["exit"], six["exit"] - 1.0)
 
 
 def test_refusals():

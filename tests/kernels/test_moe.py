@@ -736,13 +736,14 @@ out = {
 for name, fold, hoist, early in (("gate_up", True, False, False),
                                  ("gate_up_hoist", False, True, False),
                                  ("gate_up_pinned", False, False, False),
-                                 ("gate_up_early", False, False, True)):
+                                 ("gate_up_early", False, False, True),
+                                 ("gate_up_trace", False, False, False)):
     out[name] = build(moe._moe_gate_up_kernel,
         dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
-             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
+             cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32, trace_ptr="*i64"),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
              stride_ik=1, FOLD=fold, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=hoist,
-             EARLY=early),
+             EARLY=early, TRACE=name == "gate_up_trace"),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
@@ -800,11 +801,13 @@ def test_moe_kernels_compile_for_sm90():
     assert got["gate_up_pinned"]["trips"] >= 3 and got["gate_up_early"]["trips"] == 1
     assert got["down_rows_hoist"]["trips"] >= 2 and got["down_rows_hoist_early"]["trips"] == 1
     assert got["gate_up_early"]["mma.sync"] > 0 and got["down_rows_hoist_early"]["mma.sync"] > 0
-    # the traced row-major down (moe_fp8 trace=…): its stamps read the global timer (start,
-    # past the exit, per expert, after the store), the same pipelined loop; untraced, none do
-    tr = got["down_rows_trace"]
-    assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0
-    assert all(g["%globaltimer"] == 0 for name, g in got.items() if name != "down_rows_trace")
+    # the traced row-major down and gate/up (moe_fp8 trace=…, gate_up_trace=…): their stamps
+    # read the global timer (start, past the exit, per expert or block, after the store), the
+    # same pipelined loops; untraced, none do
+    for name in ("down_rows_trace", "gate_up_trace"):
+        tr = got[name]
+        assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0, name
+    assert all(g["%globaltimer"] == 0 for name, g in got.items() if not name.endswith("trace"))
 
 
 # --- GPU only: per-rank TP8 shapes, CUDA graphs, no host sync ----------------------------------
@@ -881,9 +884,10 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
 
 @pytest.mark.gpu
 def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(device):
-    """moe_fp8(trace=…) at the pinned TP8 launch: the untraced bits, and per live program (row,
-    hidden tile) its stamps in program order — start ≤ past the exit ≤ expert 0 ≤ … ≤ expert 7
-    ≤ stored — on its SM; padding rows' programs stamp only their start."""
+    """moe_fp8(trace=…, gate_up_trace=…) at the pinned TP8 launch: the untraced bits; per live
+    down program (row, hidden tile) its stamps in program order — start ≤ past the exit ≤
+    expert 0 ≤ … ≤ expert 7 ≤ stored — on its SM, padding rows' programs only their start; per
+    gate/up program of a routed expert's lead slot start ≤ exit ≤ each block ≤ stored."""
     from kernels.timeline import SM_SLOT, new_trace
 
     n_live = 6
@@ -894,7 +898,9 @@ def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(device):
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     tiles = -(-3072 // cfg.down_block_n)
     trace = new_trace(8 * tiles, device)
-    got = moe_fp8(*args, config=cfg, trace=trace)[:n_live].view(torch.int16)
+    ks, gu_tiles = cfg.k_splits(3072), -(-192 // cfg.gate_up_block_n)
+    gu = new_trace(8 * 8 * gu_tiles * ks, device)
+    got = moe_fp8(*args, config=cfg, trace=trace, gate_up_trace=gu)[:n_live].view(torch.int16)
     torch.cuda.synchronize()
     assert torch.equal(got, want)
     t = trace.cpu().view(8, tiles, -1)
@@ -903,6 +909,17 @@ def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(device):
     assert (steps > 0).all() and (steps[..., 1:] >= steps[..., :-1]).all()
     assert (pad[..., 0] > 0).all() and (pad[..., 1:SM_SLOT] == 0).all()
     assert ((t[..., SM_SLOT] >= 0) & (t[..., SM_SLOT] < 1024)).all()
+    # gate/up: the programs of each routed expert's lead slot pass the exit and stamp every
+    # block of their split in order; the others stamp their start only
+    g = gu.cpu().view(8 * 8, gu_tiles, ks, -1)
+    passed = g[..., 1] > 0
+    leads = len(set(d.ids[:n_live].flatten().tolist()))
+    assert int(passed.all(dim=(1, 2)).sum()) == leads and not (passed.any(dim=(1, 2))
+                                                               & ~passed.all(dim=(1, 2))).any()
+    blocks = cfg.k_blocks(3072)
+    done = g[passed][:, [0, 1, *range(2, 2 + min(blocks, 8)), 10]]
+    assert (done[:, 1:] >= done[:, :-1]).all() and (done > 0).all()
+    assert (g[~passed][:, 1:SM_SLOT] == 0).all()
 
 
 @pytest.mark.gpu
