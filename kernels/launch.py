@@ -8,7 +8,9 @@ in every program, before any load or store: nothing is read (a predecessor's out
 it means without PDL — and the readiness protocol's "producer(t) → consumer(t) → producer(t + 1)
 stream-ordered" assumption (kernels/readiness.py) holds. Every program must reach the wait: a
 kernel whose programs all exit without it could complete before its predecessor and release its
-successor too early.
+successor too early. The one statement allowed before it is an L2 prefetch hint of the kernel's
+own weights (`if PREFETCH: prefetch_…`, `prefetch_l2`): it reads nothing into the program and
+no predecessor writes the weights (tests/kernels/test_launch.py checks both shapes).
 
 By default no kernel calls `griddepcontrol.launch_dependents`, so a successor is released when
 its predecessor's programs have exited (the implicit trigger) rather than when they start. Measured
