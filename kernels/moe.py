@@ -484,8 +484,9 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
     bm = kin[:, None] & (bs * 128 < I)[None, :]  # [K_PAD, NB]
     sa_all = tl.load(as_ptr + (r * K + ks)[:, None] * stride_asr + bs[None, :], mask=bm,
                      other=0.0, volatile=EARLY)  # [K_PAD, NB] slot r·K + k's scale per block
-    if r >= n_live:  # the ids above are not a live row's: no address from them
-        return
+    if EARLY:  # the kernel exits padding rows before this point otherwise
+        if r >= n_live:  # the ids above are not a live row's: no address from them
+            return
     sw_all = tl.load(ps_ptr + ids.to(tl.int64)[:, None, None] * stride_se
                      + (h // 128)[None, None, :] * stride_sn + bs[None, :, None] * stride_sk,
                      mask=bm[:, :, None] & hm[None, None, :], other=0.0)  # [K_PAD, NB, BN]
