@@ -397,7 +397,8 @@ def _moe_down_rows_kernel(
     stride_wr, stride_wk, stride_or,
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr,
-    EARLY: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr, IDS_AHEAD: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
     K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
@@ -407,7 +408,10 @@ def _moe_down_rows_kernel(
     rows is streamed by each of their programs (from L2 after the first: no dedup). SILU: the
     operand from the gate/up partials (`_silu_cols`), else aq, sa. EARLY (with HOIST): the row's
     ids, router weights and operand scales are loaded before n_live is known (see
-    `_down_rows_hoisted`).
+    `_down_rows_hoisted`). IDS_AHEAD (MoeLaunch.down_ids_ahead): the row's K expert ids are
+    loaded before the loop and picked by one-hot sums (exact), so no tile address in the loop
+    waits for a load made in it and the pipeliner can keep the next expert's tiles in flight
+    during this one's MMAs (with ≥ 3 stages; the scales stay synchronous loads).
     TRACE (`moe_fp8(trace=…)`, not with HOIST): per program (r, t) at pid r·T + t, slot 0 its
     start (and its SM), 1 past the live-row exit, 2 + k after expert k's term is summed (slot 9:
     the last expert's when K > 8), 10 after its store (kernels/timeline.py)."""
@@ -425,6 +429,9 @@ def _moe_down_rows_kernel(
     col = tl.arange(0, BLOCK_R)
     mine = col == r  # [BR] the operand's column
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if IDS_AHEAD:
+        ks = tl.arange(0, triton.next_power_of_2(K))
+        ids = tl.load(ids_ptr + r * stride_ir + ks * stride_ik, mask=ks < K, other=0)  # [K_PAD]
     if HOIST:
         _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr,
                            w_ptr, out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik,
@@ -433,7 +440,10 @@ def _moe_down_rows_kernel(
         return
     for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
         s = r * K + kk
-        e = tl.load(ids_ptr + r * stride_ir + kk * stride_ik)
+        if IDS_AHEAD:
+            e = tl.sum(tl.where(ks == kk, ids, 0), axis=0)
+        else:
+            e = tl.load(ids_ptr + r * stride_ir + kk * stride_ik)
         w_e = proj_ptr + e.to(tl.int64) * stride_pe
         s_e = ps_ptr + e.to(tl.int64) * stride_se
         src = tl.where(mine, s, -1)  # [BR]
@@ -850,7 +860,7 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
-        HOIST=cfg.down_hoist, EARLY=cfg.early_loads,
+        HOIST=cfg.down_hoist, EARLY=cfg.early_loads, IDS_AHEAD=cfg.down_ids_ahead,
         trace_ptr=out if d.trace is None else d.trace, TRACE=d.trace is not None,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )

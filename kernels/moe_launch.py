@@ -39,6 +39,11 @@ class MoeLaunch:
     # the same bits; needs down_rows on aq, sa (not silu_in_down). Off: 1.3–3.9 % slower
     # rounds with gate_up_hoist on the H100 (reports/benchmarks/h100-2026-12-07/)
     down_hoist: bool = False
+    # down_rows' expert ids loaded before its expert loop (kernels/moe.py
+    # _moe_down_rows_kernel IDS_AHEAD), the scales still in it: the only in-loop load a tile
+    # address waited for, so Triton's pipeliner can overlap the next expert's tiles with this
+    # one's MMAs (≥ 3 stages); the same bits; needs down_rows, not down_hoist
+    down_ids_ahead: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits
     gate_up_hoist: bool = False
@@ -68,6 +73,10 @@ class MoeLaunch:
         if self.down_hoist and not (self.down_rows and not self.silu_in_down):
             raise ValueError("MoeLaunch.down_hoist: hoists the row-major down's loads; needs "
                              "down_rows on and silu_in_down off")
+        if self.down_ids_ahead and not (self.down_rows and not self.down_hoist):
+            raise ValueError("MoeLaunch.down_ids_ahead: loads the row-major down's ids before "
+                             "its loop; needs down_rows on and down_hoist off (which loads "
+                             "them there already)")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")

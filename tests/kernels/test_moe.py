@@ -407,10 +407,13 @@ def test_moved_launches_differ_when_their_inputs_do(device):
 HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
           {"down_hoist": True, "gate_up_hoist": True}, {"early_loads": True},
           {"early_loads": True, "down_hoist": True, "gate_up_hoist": True},
-          {"early_loads": True, "down_rows": False})  # the slot-major down, loaded early
+          {"early_loads": True, "down_rows": False},  # the slot-major down, loaded early
+          # the row-major down pipelined over its experts (3 stages): ids ahead, or all hoisted
+          {"down_ids_ahead": True, "down_stages": 3}, {"down_hoist": True, "down_stages": 3})
 # on the CPU (interpreter time): every moved load at least once, each kernel variant it touches
-# (gate/up and row-major down hoisted; routing early in gate/up, hoisted and slot-major down)
-CPU_HOISTS = HOISTS[2], HOISTS[4], HOISTS[5]
+# (gate/up and row-major down hoisted; routing early in gate/up, hoisted and slot-major down;
+# the row-major down's ids ahead)
+CPU_HOISTS = HOISTS[2], HOISTS[4], HOISTS[5], HOISTS[6]
 
 
 def hoist_label(h: dict) -> str:
@@ -467,6 +470,9 @@ def test_hoisted_loads_read_what_they_must(device):
         planted[i] = bad
         got = moe_fp8(*planted, config=cfg)[:n].cpu().view(torch.int16)
         assert not torch.equal(got, want), i
+    ahead = dataclasses.replace(cfg, down_hoist=False, down_ids_ahead=True)
+    assert not torch.equal(moe_fp8(*args[:2], ids, *args[3:], config=ahead)[:n].cpu()
+                           .view(torch.int16), want), "ids ahead: the last id unread"
     with pytest.raises(ValueError, match="trace: stamps the row-major down"):
         moe_fp8(*args, config=cfg, trace=torch.zeros(1, dtype=torch.int64))
     with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
@@ -476,6 +482,10 @@ def test_hoisted_loads_read_what_they_must(device):
         MoeLaunch(32, 64, 128, down_hoist=True)
     with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
         MoeLaunch(32, 64, 128, down_rows=True, silu_in_down=True, down_hoist=True)
+    with pytest.raises(ValueError, match="down_ids_ahead: .* down_hoist off"):
+        MoeLaunch(32, 64, 128, down_rows=True, down_hoist=True, down_ids_ahead=True)
+    with pytest.raises(ValueError, match="down_ids_ahead: .* needs down_rows on"):
+        MoeLaunch(32, 64, 128, down_ids_ahead=True)
 
 
 @pytest.mark.slow
@@ -686,11 +696,15 @@ def build(fn, sig, const, opts, div16):
     got = {t: len(re.findall(t, ptx))
            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
                      "ld.volatile.global", "%globaltimer")}
-    # synchronous loads inside a loop body (TTGIR between scf.for and its scf.yield)
-    inside, got["loop_loads"] = False, 0
+    # synchronous loads inside a loop body (TTGIR between scf.for and its scf.yield), and the
+    # cp.async groups the loop's wait leaves in flight (0: each iteration's tiles are issued
+    # after the previous iteration's MMAs and waited for before its own: no overlap)
+    inside, got["loop_loads"], got["in_flight"] = False, 0, 0
     for line in k.asm["ttgir"].splitlines():
         inside = (inside or "scf.for" in line) and "scf.yield" not in line
         got["loop_loads"] += inside and " tt.load " in line
+        wait = re.search(r"ttg.async_wait .*num = (\d+)", line) if inside else None
+        got["in_flight"] = max(got["in_flight"], int(wait.group(1)) if wait else 0)
     if got["cp.async"]:  # global-load round trips before the first tile load (SASS)
         got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
     return got
@@ -724,7 +738,7 @@ out = {
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
              stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False,
-             EARLY=False, TRACE=False),
+             EARLY=False, IDS_AHEAD=cfg.down_ids_ahead, TRACE=False),
         dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"]),
@@ -747,17 +761,21 @@ for name, fold, hoist, early in (("gate_up", True, False, False),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
-# the row-major down on aq, sa: scales in the loop, hoisted, hoisted and loaded early, traced
-for name, hoist, early, trace in (("aq", False, False, False), ("hoist", True, False, False),
-                                  ("hoist_early", True, True, False),
-                                  ("trace", False, False, True)):
+# the row-major down on aq, sa: ids and scales in the loop, hoisted, hoisted and loaded early,
+# traced; with 4 and with 3 stages; the ids ahead of the loop
+for name, hoist, early, trace, stages, ahead in (
+        ("aq", False, False, False, 2, False), ("hoist", True, False, False, 2, False),
+        ("hoist_early", True, True, False, 2, False), ("trace", False, False, True, 2, False),
+        ("aq_s4", False, False, False, 4, False), ("hoist_s3", True, False, False, 3, False),
+        ("hoist_s4", True, False, False, 4, False), ("ahead_s3", False, False, False, 3, True),
+        ("ahead_s3_trace", False, False, True, 3, True)):
     out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16", trace_ptr="*i64"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
              stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist, EARLY=early,
-             TRACE=trace),
-        dict(num_warps=cfg.down_warps, num_stages=cfg.down_stages),
+             IDS_AHEAD=ahead, TRACE=trace),
+        dict(num_warps=cfg.down_warps, num_stages=stages),
         ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
          "stride_pe", "stride_pn", "stride_or"])
 print(json.dumps(out))
@@ -801,6 +819,19 @@ def test_moe_kernels_compile_for_sm90():
     assert got["gate_up_pinned"]["trips"] >= 3 and got["gate_up_early"]["trips"] == 1
     assert got["down_rows_hoist"]["trips"] >= 2 and got["down_rows_hoist_early"]["trips"] == 1
     assert got["gate_up_early"]["mma.sync"] > 0 and got["down_rows_hoist_early"]["mma.sync"] > 0
+    # which loops overlap their tile loads with their MMAs (cp.async groups left in flight by
+    # the loop's wait): gate/up at its 3 stages does; the row-major down with its expert id
+    # loaded in the loop never does, at any stage count (Triton issues expert k+1's tiles after
+    # expert k's MMAs, single-buffered, and waits for all of them); hoisted, it keeps one
+    # expert's tiles (2 blocks × operand + weight) in flight at 3 stages, two at 4
+    assert got["gate_up_pinned"]["in_flight"] > 0
+    assert got["down_rows_aq"]["in_flight"] == 0 and got["down_rows_aq_s4"]["in_flight"] == 0
+    assert got["down_rows_hoist"]["in_flight"] == 0  # 2 stages: single-buffered
+    assert got["down_rows_hoist_s3"]["in_flight"] == 4
+    assert got["down_rows_hoist_s4"]["in_flight"] == 8
+    # with only the ids ahead of the loop (the scales still loaded in it) the same, traced too
+    for name in ("down_rows_ahead_s3", "down_rows_ahead_s3_trace"):
+        assert got[name]["in_flight"] == 4 and got[name]["loop_loads"] >= 3, name
     # the traced row-major down and gate/up (moe_fp8 trace=…, gate_up_trace=…): their stamps
     # read the global timer (start, past the exit, per expert or block, after the store), the
     # same pipelined loops; untraced, none do
