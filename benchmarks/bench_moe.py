@@ -152,15 +152,16 @@ def torch_call(p: Problem, copy: int, rset: int = 0):
     return run
 
 
-def check_against_twin(p: Problem) -> dict:
-    """Kernel vs twin on routing set 0 (CPU twin); raises AssertionError when wrong."""
+def check_against_twin(p: Problem, config=None) -> dict:
+    """Kernel (config: a MoeLaunch, None: the pinned one) vs twin on routing set 0 (CPU twin);
+    raises AssertionError when wrong."""
     from qualification.tolerances import check
     from reference.twins.moe import moe_fp8_ref
 
     r = p.spec.rows
     out = torch.full((p.spec.buffer_rows, p.spec.hidden), 12288.0, dtype=torch.bfloat16,
                      device=p.x.device)
-    kernel_call(p, 0, 0, out)()
+    kernel_call(p, 0, 0, out, config)()
     torch.cuda.synchronize()
     got = out.cpu()
     if not torch.isfinite(got[:r]).all():

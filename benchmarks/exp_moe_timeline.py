@@ -4,6 +4,10 @@
 bench_moe's disjoint expert sets (so the weights stream from HBM as in a decode round).
 
     python -m benchmarks.exp_moe_timeline --rows 1 6 8 --json moe_timeline.json
+    python -m benchmarks.exp_moe_timeline --rows 6 --variant down_ids_ahead=1,down_stages=3
+
+--variant FIELD=V,… (MoeLaunch fields, as bench_moe's) stamps that launch configuration too,
+after the pinned one at each row count; the down's stamps need its row-major loop unhoisted.
 
 Every row count is checked against the twin first (benchmarks/bench_moe.py check_against_twin).
 Each call's two launches are stamped into their own traces; a launch's stamps are measured from
@@ -31,7 +35,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_moe import DEFAULT_DISTINCT, BenchSpec, build_problem, check_against_twin
+from benchmarks.launch_variant import parse_variant
 from benchmarks.timing import capture_graph, time_graph
+from kernels.moe_launch import moe_launch
 from kernels.timeline import SM_SLOT
 
 STEP_SLOTS = 8  # slots 2 … 9: the down's experts, gate/up's hidden blocks (kernels/moe.py)
@@ -71,15 +77,17 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, list[float]]:
     return {k: [round(float(x), 3) for x in torch.nanquantile(v, q)] for k, v in stats.items()}
 
 
-def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int) -> dict:
+def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int,
+             cfg=None, label: str = "pinned") -> dict:
+    """cfg: a MoeLaunch (None: the pinned one), named label in the tables."""
     from kernels.moe import moe_fp8, moe_launch
     from kernels.timeline import new_trace
 
     dev = torch.device("cuda")
     spec = BenchSpec(rows, distinct)
     p = build_problem(spec, dev)
-    check = check_against_twin(p)
-    cfg = moe_launch(spec.hidden, spec.inter)
+    cfg = cfg or moe_launch(spec.hidden, spec.inter)
+    check = check_against_twin(p, cfg)
     programs = {"down": spec.buffer_rows * -(-spec.hidden // cfg.down_block_n),
                 "gate_up": spec.buffer_rows * spec.top_k * -(-spec.inter // cfg.gate_up_block_n)
                 * cfg.k_splits(spec.hidden)}
@@ -102,14 +110,16 @@ def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int)
         torch.cuda.synchronize()
         for k, ts in traces.items():
             got[k].append(torch.stack(ts).cpu())
-    return {"rows": rows, "distinct": distinct, "launches": launches * replays,
+    return {"rows": rows, "distinct": distinct, "variant": label, "launches": launches * replays,
             "graph_us": graph_us, "check": check,
             **{k: summarize(launch_stats(torch.cat(v), k)) for k, v in got.items()}}
 
 
 def table(results: list[dict], kind: str) -> str:
-    head = f"| {kind} | " + " | ".join(f"{r['rows']} rows ({r['distinct']} experts)"
-                                       for r in results) + " |"
+    head = f"| {kind} | " + " | ".join(
+        f"{r['rows']} rows ({r['distinct']} experts)"
+        + ("" if r.get("variant", "pinned") == "pinned" else f", {r['variant']}")
+        for r in results) + " |"
     lines = [head, "|" + " --- |" * (len(results) + 1)]
     for m in milestones(kind):
         cells = [f"{v[1]:.2f} [{v[0]:.2f}, {v[2]:.2f}]" for v in (r[kind][m] for r in results)]
@@ -125,6 +135,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--launches", type=int, default=24, help="calls per graph (≥ 1)")
     ap.add_argument("--replays", type=int, default=4, help="traced graph replays (≥ 1)")
     ap.add_argument("--trials", type=int, default=20, help="untraced graph replays timed")
+    ap.add_argument("--variant", action="append", default=[], metavar="FIELD=V,…",
+                    help="MoeLaunch fields changed from the pinned launch (repeatable)")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     distinct = dict(DEFAULT_DISTINCT)
@@ -133,12 +145,21 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--rows: {bad} not in {sorted(distinct)} (the routings bench_moe defines)")
     if a.launches < 1 or a.replays < 1 or a.trials < 1:
         ap.error("--launches, --replays and --trials: expected >= 1")
+    pinned = moe_launch(BenchSpec(a.rows[0], distinct[a.rows[0]]).hidden,
+                        BenchSpec(a.rows[0], distinct[a.rows[0]]).inter)
+    configs = [("pinned", None)] + [parse_variant(v, pinned) for v in a.variant]
+    bad = [name for name, c in configs[1:] if not c.down_rows or c.down_hoist]
+    if bad:
+        ap.error(f"--variant {bad[0]}: the down's stamps are in the row-major loop unhoisted "
+                 f"(down_rows on, down_hoist off)")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the stamps read the GPU's %globaltimer)")
     results = []
     for r in a.rows:
-        results.append(run_rows(r, distinct[r], a.launches, a.replays, a.trials))
-        print(f"[{r} rows] checked: {results[-1]['check']['kernel_vs_twin']}", flush=True)
+        for name, cfg in configs:
+            results.append(run_rows(r, distinct[r], a.launches, a.replays, a.trials, cfg, name))
+            print(f"[{r} rows, {name}] checked: {results[-1]['check']['kernel_vs_twin']}",
+                  flush=True)
     for kind in ("gate_up", "down"):
         print(table(results, kind))
     if a.json:

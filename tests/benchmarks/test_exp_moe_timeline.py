@@ -56,6 +56,10 @@ def test_launch_stats_read_the_milestones():
     assert s["expert 3"] == [4.0, 4.0, 4.0]
     assert "| expert 7 | 8.00 [8.00, 8.00] |" in table(
         [{"rows": 6, "distinct": 44, "graph_us": 50.0, "down": s}], "down")
+    head = table([{"rows": 6, "distinct": 44, "graph_us": 50.0, "down": s},
+                  {"rows": 6, "distinct": 44, "graph_us": 40.0, "down": s,
+                   "variant": "down_stages=3"}], "down").splitlines()[0]
+    assert head == "| down | 6 rows (44 experts) | 6 rows (44 experts), down_stages=3 |"
 
 
 def test_steps_a_loop_does_not_have_are_nan():
@@ -82,6 +86,14 @@ def test_refusals():
         main(["--rows", "3"])  # bench_moe defines no routing for 3 rows
     with pytest.raises(SystemExit):
         main(["--launches", "0"])
+
+def test_variants_are_checked_before_any_gpu_work(capsys):
+    for bad, says in (("down_hoist=1", "unhoisted"), ("down_rows=0", "unhoisted"),
+                      ("down_stage=3", "is not FIELD=VALUE"),
+                      ("down_stages=x", "takes an integer")):
+        with pytest.raises(SystemExit) as e:
+            main(["--rows", "6", "--variant", bad])
+        assert says in f"{e.value.code}{capsys.readouterr().err}", bad
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             main(["--rows", "6"])
