@@ -12,15 +12,17 @@ packed top-k, the router's prefetched weights, the tails' column chunks, the QKV
 folded qk_rope, the hoisted scale loads, the early loads, the weight prefetch before the PDL
 wait and the MoE tail's early release — the last two need `--pdl on`);
 MoeLaunch.gate_up_k_blocks and LinearLaunch.split_k
-do (they move a K split), within the tolerance rows.
+do (they move a K split), within the tolerance rows; of AttentionConfig (family attention,
+over pick_config of each cache's layout) num_stages, num_warps and combine_warps change no bit,
+the others move the split boundaries or the combine's order, within the tolerance rows.
 
 Covered calls: KernelOps.moe (and the rank ops' MoE partials), attn_tail, moe_tail, sample,
-qkv_rope, linear_fp8, linear_fp8_partials (and the rank ops' O partials; family linear: over
-each shape's pinned FP8 launch). The TP shard sampling steps (iquestrt/tp/sampling.py) keep
-the pinned configuration.
+qkv_rope, attention, attention_q, linear_fp8, linear_fp8_partials (and the rank ops' O
+partials; family linear: over each shape's pinned FP8 launch). The TP shard sampling steps
+(iquestrt/tp/sampling.py) keep the pinned configuration.
 
 Text form: comma-separated `family.field=value`, families moe / sampler / tails / qkv /
-linear, e.g. `moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4`; booleans as
+linear / attention, e.g. `moe.down_rows=1,sampler.tile=2048,sampler.scan_warps=4`; booleans as
 0/1/true/false/on/off.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from kernels.attention import AttentionConfig, pick_config
 from kernels.linear_launch import LinearLaunch, linear_fp8_launch
 from kernels.moe_launch import MoeLaunch, moe_launch
 from kernels.qk_rope import QkvLaunch, qkv_launch
@@ -36,7 +39,7 @@ from kernels.sampler import SamplerLaunch, sampler_launch
 from kernels.tails_launch import TailLaunch, tail_launch
 
 FAMILIES = {"moe": MoeLaunch, "sampler": SamplerLaunch, "tails": TailLaunch, "qkv": QkvLaunch,
-            "linear": LinearLaunch}
+            "linear": LinearLaunch, "attention": AttentionConfig}
 _BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 Fields = tuple[tuple[str, object], ...]  # (field, value) pairs in the order given
@@ -50,7 +53,8 @@ def _probes() -> dict:
     """A pinned configuration of each family (real TP8-rank shapes), to check overrides on."""
     return {"moe": moe_launch(3072, 192), "sampler": sampler_launch(20000),
             "tails": tail_launch(3072, 256), "qkv": qkv_launch(),
-            "linear": linear_fp8_launch(1024, 3072)}
+            "linear": linear_fp8_launch(1024, 3072),
+            "attention": pick_config(128, 131072, False)}
 
 
 def _value(family: str, name: str, text: str) -> object:
@@ -81,6 +85,7 @@ class LaunchOverrides:
     tails: Fields = ()  # over tail_launch(hidden[, experts])
     qkv: Fields = ()  # over qkv_launch()
     linear: Fields = ()  # over linear_fp8_launch(N, K) of each FP8 projection
+    attention: Fields = ()  # over pick_config(head dim, capacity, ring) of each cache
 
     def __post_init__(self) -> None:
         probes = _probes()
@@ -134,6 +139,9 @@ class LaunchOverrides:
         if not self.linear:
             return None
         return dataclasses.replace(linear_fp8_launch(n, k), **dict(self.linear))
+
+    def attention_config(self, head_dim: int, capacity: int, ring: bool) -> AttentionConfig:
+        return dataclasses.replace(pick_config(head_dim, capacity, ring), **dict(self.attention))
 
     def tail_config(self, hidden: int, experts: int = 0) -> TailLaunch | None:
         if not self.tails:

@@ -122,15 +122,19 @@ class KernelOps:
         k_kv.rollback_layers(caches, keep, written, max_rows=ROLLBACK_ROWS,
                              tables=self._layer_tables, pdl=self.pdl)
 
+    def _attention_config(self, cache) -> k_attention.AttentionConfig:
+        lay = cache.layout
+        return self.launches.attention_config(lay.head_dim, lay.capacity, lay.ring)
+
     def attention(self, q, cache, positions, live: Live, sink_k, scale) -> torch.Tensor:
-        return k_attention.attention(q, cache, positions, live.t, sink_k, scale, pdl=self.pdl)
+        return k_attention.attention(q, cache, positions, live.t, sink_k, scale,
+                                     config=self._attention_config(cache), pdl=self.pdl)
 
     def attention_q(self, q, cache, positions, live: Live, sink_k, scale):
         """→ (o [R, Hq, D], (E4M3 [R, Hq·D], scales) = quantize_act of o made by the combine
         launch, or None when its programs do not cover whole 128-column groups)."""
         r, hq, d = q.shape
-        lay = cache.layout
-        cfg = k_attention.pick_config(lay.head_dim, lay.capacity, lay.ring)
+        cfg = self._attention_config(cache)
         if not k_attention.combine_quantizes(hq, d, cfg.combine_heads):
             return self.attention(q, cache, positions, live, sink_k, scale), None
         xq = (torch.empty(r, hq * d, dtype=E4M3, device=self.dev),

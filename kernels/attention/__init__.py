@@ -71,6 +71,12 @@ class AttentionConfig:
             raise ValueError(f"AttentionConfig.block_n: power of two >= 16, got {self.block_n}")
         if min(self.num_splits, self.min_tiles_per_split) < 1:
             raise ValueError("AttentionConfig: num_splits, min_tiles_per_split must be >= 1")
+        for name in ("num_warps", "combine_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"AttentionConfig.{name}: power of two >= 1, got {v}")
+        if self.num_stages < 1:
+            raise ValueError(f"AttentionConfig.num_stages: must be >= 1, got {self.num_stages}")
         if self.combine_splits < 1 or self.combine_splits & (self.combine_splits - 1):
             raise ValueError(f"AttentionConfig.combine_splits: power of two >= 1, got "
                              f"{self.combine_splits}")

@@ -10,6 +10,7 @@ import torch
 from iquestrt import ops_kernels
 from iquestrt.launch_overrides import LaunchOverrideError, LaunchOverrides
 from iquestrt.live import Live
+from kernels.attention import pick_config
 from kernels.linear_launch import linear_fp8_launch
 from kernels.moe_launch import moe_launch
 from kernels.sampler import sampler_launch
@@ -31,7 +32,10 @@ def test_parse_and_label_round_trip():
 @pytest.mark.parametrize("text, message", [
     ("moe.down_rows", "expected family.field=value"),
     ("down_rows=1", "expected family.field=value"),
-    ("attention.tile=64", "family one of ['linear', 'moe', 'qkv', 'sampler', 'tails']"),
+    ("norm.tile=64", "family one of ['attention', 'linear', 'moe', 'qkv', 'sampler', 'tails']"),
+    ("attention.tile=64", "attention.tile: unknown field; AttentionConfig has"),
+    ("attention.num_stages=0", "AttentionConfig.num_stages: must be >= 1, got 0"),
+    ("attention.num_warps=6", "AttentionConfig.num_warps: power of two >= 1, got 6"),
     ("linear.block_n=48", "LinearLaunch.block_n: expected a power of two"),
     ("moe.tile=64", "moe.tile: unknown field; MoeLaunch has"),
     ("moe.down_rows=maybe", "moe.down_rows='maybe': expected one of"),
@@ -62,6 +66,11 @@ def test_configs_replace_only_the_named_fields_of_the_pinned_ones():
     for shape in ((1024, 3072), (3072, 768), (100, 256)):  # pinned QKV, pinned O, a default
         assert lin.linear_config(*shape) == dataclasses.replace(linear_fp8_launch(*shape),
                                                                 hoist_scales=True)
+    att = LaunchOverrides.parse("attention.num_stages=4")
+    for layout in ((128, 131072, False), (128, 4160, True), (64, 96, False)):
+        assert att.attention_config(*layout) == dataclasses.replace(pick_config(*layout),
+                                                                    num_stages=4)
+        assert LaunchOverrides().attention_config(*layout) == pick_config(*layout)
     none = LaunchOverrides()
     assert (none.moe_config(3072, 192, "cuda"), none.sampler_config(20000),
             none.tail_config(3072), none.linear_config(1024, 3072)) == (None,) * 4
@@ -75,7 +84,7 @@ def _spy(monkeypatch, module, name, seen):
 
 
 @pytest.mark.parametrize("text", ["", "moe.down_rows=1,sampler.tile=2048,tails.unroll_k=1,"
-                                      "linear.hoist_scales=1"])
+                                      "linear.hoist_scales=1,attention.num_stages=4"])
 def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     """Each covered op reaches its wrapper with the overrides applied to the configuration the
     wrapper would pin for that shape (hidden 256, I 64, 512-column logits, 16 experts)."""
@@ -101,6 +110,16 @@ def test_the_kernels_table_passes_the_overridden_configs(monkeypatch, text):
     lin = type("L", (), {"w": torch.empty(512, 256, device="meta"), "s": None})()
     ops.linear_fp8(x, lin, live, torch.bfloat16)
     ops.linear_fp8_partials(x, lin, live)
+    # attention over a cache of 1 KV head of D 128 (6 query heads: the combine quantizes)
+    cache = type("C", (), {"layout": type("Y", (), {"head_dim": 128, "capacity": 4160,
+                                                    "ring": True})()})()
+    attn: list = []
+    monkeypatch.setattr(ops_kernels.k_attention, "attention",
+                        lambda *a, config=None, **kw: attn.append(config))
+    ops.attention(torch.zeros(2, 6, 128), cache, None, live, None, 1.0)
+    ops.attention_q(torch.zeros(2, 6, 128), cache, None, live, None, 1.0)
+    ring = pick_config(128, 4160, True)
+    assert attn == ([dataclasses.replace(ring, num_stages=4)] * 2 if o else [ring, ring])
     if not o:
         assert seen == {"moe_fp8": None, "sample": None, "attn_tail": None, "moe_tail": None,
                         "linear_fp8": None, "linear_fp8_partials": None}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +61,18 @@ def fusion_counts(module: str, kernel: str, sig: dict, const: dict, patterns: tu
     not in sig are i32, those in const constexpr) → (off, on): counts of each PTX regex."""
     return fusion_off_on(_FUSION_SCRIPT.format(module=module, kernel=kernel, sig=sig,
                                                const=const, patterns=patterns, warps=warps))
+
+
+def loop_facts(ttgir: str) -> tuple[int, int]:
+    """A compiled kernel's TTGIR → (synchronous loads inside its loop bodies — between an
+    scf.for and its scf.yield —, the most cp.async groups a loop's wait leaves in flight).
+    In flight 0: each iteration's tiles are issued after the previous iteration's MMAs and all
+    waited for before its own (no overlap of loads with compute); 2 per tile operand pair and
+    stage beyond the second with Triton 3.6's pipeliner."""
+    inside, loads, in_flight = False, 0, 0
+    for line in ttgir.splitlines():
+        inside = (inside or "scf.for" in line) and "scf.yield" not in line
+        loads += inside and " tt.load " in line
+        wait = re.search(r"ttg.async_wait .*num = (\d+)", line) if inside else None
+        in_flight = max(in_flight, int(wait.group(1)) if wait else 0)
+    return loads, in_flight

@@ -431,15 +431,20 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     import kernels.attention as A
     import kernels.attention.combine as AC
     import kernels.kv_cache as KV
+    from tests.kernels.sm90 import loop_facts
 
     def build(fn, args, consts, aligned=(), warps=4, stages=2):
         sig = {n: t for n, t in args} | {k: "constexpr" for k in consts}
         names = [n for n, _ in args]
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
         src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": warps, "num_stages": stages}).asm["ptx"]
-        return {k: ptx.count(k) for k in ("cp.async.cg", "wgmma.mma_async", "mma.sync")}
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+        ptx = k.asm["ptx"]
+        got = {k: ptx.count(k) for k in ("cp.async.cg", "wgmma.mma_async", "mma.sync")}
+        got["in_flight"] = loop_facts(k.asm["ttgir"])[1]
+        got["shared"] = k.metadata.shared
+        return got
 
     i32, stats = "i32", {}
     split_args = [("q_ptr", "*bf16"), ("pos_ptr", "*i32"), ("n_live_ptr", "*i32"),
@@ -448,13 +453,14 @@ def _compile_sm90() -> dict[str, dict[str, int]]:
     split_args += [(n, i32) for n in ("s_qr", "s_qh", "s_kc", "s_kh", "s_vc", "s_vh", "s_os",
                                       "s_or", "s_oh", "s_ls", "s_lr")]
     aligned = [n for n, t in split_args if t.startswith("*") or n.startswith("s_")]
-    for name, ring, bm in (("split_ring", True, 64), ("split_full", False, 64),
-                           ("split_full_1row", False, 16)):
+    for name, ring, bm, more in (("split_ring", True, 64, 0), ("split_full", False, 64, 0),
+                                 ("split_full_1row", False, 16, 0),
+                                 ("split_full_stage_more", False, 64, 1)):
         cfg = A.pick_config(128, 4160 if ring else 131072, ring)
         stats[name] = build(A._split_kernel, split_args, {
             "G": 6, "D": 128, "BLOCK_M": bm, "BLOCK_N": cfg.block_n, "NUM_SPLITS": cfg.num_splits,
             "MIN_TILES": cfg.min_tiles_per_split, "RING": ring, "SLIDING": ring,
-            "INTERPRET": False, "PDL": False}, aligned, cfg.num_warps, cfg.num_stages)
+            "INTERPRET": False, "PDL": False}, aligned, cfg.num_warps, cfg.num_stages + more)
     comb_args = [("po_ptr", "*fp32"), ("pl_ptr", "*fp32"), ("q_ptr", "*bf16"),
                  ("sink_ptr", "*bf16"), ("out_ptr", "*bf16"), ("n_live_ptr", "*i32"),
                  ("oq_ptr", "*fp8e4nv"), ("os_ptr", "*fp32"), ("HQ", i32), ("scale", "fp32")]
@@ -493,6 +499,12 @@ def test_compiled_branches_build_for_sm90():
     stats = json.loads(res.stdout.strip().splitlines()[-1])
     for name in ("split_ring", "split_full"):
         assert stats[name]["cp.async.cg"] > 0 and stats[name]["wgmma.mma_async"] > 0, stats
+    # the pinned 3 stages keep one K/V tile pair in flight during a tile's products; one stage
+    # more keeps two (the lever GAP.md names for streaming long contexts: more keys in flight
+    # per SM without more splits) and still fits one program per SM (sm_90: 227 KB)
+    full, more = stats["split_full"], stats["split_full_stage_more"]
+    assert full["in_flight"] == 2 and more["in_flight"] == 4, (full, more)
+    assert more["shared"] <= 227 * 1024 and more["cp.async.cg"] > 0, more
     assert "combine_hb1_quant" in stats  # the quantizing combine builds for sm_90 too
 
 

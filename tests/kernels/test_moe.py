@@ -686,6 +686,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import moe
 from tests.kernels.sass import disassemble, round_trips_before_tiles
+from tests.kernels.sm90 import loop_facts
 
 def build(fn, sig, const, opts, div16):
     full = {n: "constexpr" if n in const else sig.get(n, "i32") for n in fn.arg_names}
@@ -696,15 +697,8 @@ def build(fn, sig, const, opts, div16):
     got = {t: len(re.findall(t, ptx))
            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
                      "ld.volatile.global", "%globaltimer")}
-    # synchronous loads inside a loop body (TTGIR between scf.for and its scf.yield), and the
-    # cp.async groups the loop's wait leaves in flight (0: each iteration's tiles are issued
-    # after the previous iteration's MMAs and waited for before its own: no overlap)
-    inside, got["loop_loads"], got["in_flight"] = False, 0, 0
-    for line in k.asm["ttgir"].splitlines():
-        inside = (inside or "scf.for" in line) and "scf.yield" not in line
-        got["loop_loads"] += inside and " tt.load " in line
-        wait = re.search(r"ttg.async_wait .*num = (\d+)", line) if inside else None
-        got["in_flight"] = max(got["in_flight"], int(wait.group(1)) if wait else 0)
+    # synchronous loads inside a loop body and the cp.async groups its wait leaves in flight
+    got["loop_loads"], got["in_flight"] = loop_facts(k.asm["ttgir"])
     if got["cp.async"]:  # global-load round trips before the first tile load (SASS)
         got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
     return got

@@ -67,7 +67,8 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['off', 'on', 'ab']"),
     (["--launch", "moe.nope=1"], "--launch 'moe.nope=1': launch override moe.nope: unknown field"),
     (["--launch", "sampler.tile=3000"], "SamplerLaunch.tile: power of two >= 16, got 3000"),
-    (["--launch", "gpu.tile=1"], "family one of ['linear', 'moe', 'qkv', 'sampler', 'tails']"),
+    (["--launch", "gpu.tile=1"],
+     "family one of ['attention', 'linear', 'moe', 'qkv', 'sampler', 'tails']"),
     (["--launch", ","], "--launch ',': overrides nothing"),
     (["--launch", "moe.down_rows=1", "--launch", "moe.down_rows=on"], "the same overrides twice"),
 ])
