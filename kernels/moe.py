@@ -438,7 +438,10 @@ def _moe_down_rows_kernel(
                            stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk,
                            stride_wr, stride_wk, stride_or, I, K, OUT_BF16, EARLY)
         return
-    for kk in range(K):  # pinned order: k = 0, 1, …, K−1 (the combine's); pipelined over k
+    # pinned order: k = 0, 1, …, K−1 (the combine's). Pipelined over k only with IDS_AHEAD and
+    # ≥ 3 stages: with the id loaded here Triton single-buffers the tiles and waits for all of
+    # them at the top of each iteration (tests/kernels/test_moe.py sm_90 facts, in_flight)
+    for kk in range(K):
         s = r * K + kk
         if IDS_AHEAD:
             e = tl.sum(tl.where(ks == kk, ids, 0), axis=0)

@@ -120,7 +120,8 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     SiLU·up and quantization). With down_rows, down in 32-channel tiles (`--launch
     moe.down_block_n=…` in the round, H100, 4 of 4 pairs at widths 6 / 8, 1K / 4K): 32 channels
     1.6–1.9 % faster rounds than 64; 128 channels 3.0–3.6 % slower; 4 warps 2.0–2.6 % slower;
-    3 stages ±0.2 %."""
+    3 stages ±0.2 % — of a loop that does not pipeline at any stage count (its expert id is
+    loaded in it; down_ids_ahead or down_hoist with ≥ 3 stages does: not yet measured)."""
     if device_type == "cpu":
         return MoeLaunch(
             gate_up_block_n=max(16, triton.next_power_of_2(inter)),
