@@ -145,8 +145,8 @@ def main(argv=None) -> list[dict]:
         ap.error(f"--rows: {bad} not in {sorted(distinct)} (the routings bench_moe defines)")
     if a.launches < 1 or a.replays < 1 or a.trials < 1:
         ap.error("--launches, --replays and --trials: expected >= 1")
-    pinned = moe_launch(BenchSpec(a.rows[0], distinct[a.rows[0]]).hidden,
-                        BenchSpec(a.rows[0], distinct[a.rows[0]]).inter)
+    shape = BenchSpec(a.rows[0], distinct[a.rows[0]])  # every row count: the same H, I
+    pinned = moe_launch(shape.hidden, shape.inter)
     configs = [("pinned", None)] + [parse_variant(v, pinned) for v in a.variant]
     bad = [name for name, c in configs[1:] if not c.down_rows or c.down_hoist]
     if bad:

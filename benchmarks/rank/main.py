@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", action="append", default=[], metavar="OVERRIDES",
                    help="a variant with the kernels' launch configurations overridden, run "
                         "beside each configuration (alternating; rows '<policy>+OVERRIDES' and "
-                        "their ratio), e.g. moe.down_rows=1 or sampler.tile=2048,"
-                        "sampler.scan_warps=4 (iquestrt/launch_overrides.py); repeatable")
+                        "their ratio), e.g. moe.down_rows=1, attention.num_stages=4 or "
+                        "sampler.tile=2048,sampler.scan_warps=4 (iquestrt/launch_overrides.py: "
+                        "families moe, sampler, tails, qkv, linear, attention); repeatable")
 
 
 def spec_from_args(a: argparse.Namespace) -> SweepSpec:
