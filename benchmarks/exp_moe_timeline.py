@@ -80,7 +80,7 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, list[float]]:
 def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int,
              cfg=None, label: str = "pinned") -> dict:
     """cfg: a MoeLaunch (None: the pinned one), named label in the tables."""
-    from kernels.moe import moe_fp8, moe_launch
+    from kernels.moe import moe_fp8
     from kernels.timeline import new_trace
 
     dev = torch.device("cuda")

@@ -141,7 +141,10 @@ class LaunchOverrides:
         return dataclasses.replace(linear_fp8_launch(n, k), **dict(self.linear))
 
     def attention_config(self, head_dim: int, capacity: int, ring: bool) -> AttentionConfig:
-        return dataclasses.replace(pick_config(head_dim, capacity, ring), **dict(self.attention))
+        """The cache's pinned config, or a copy with the overridden fields (on every attention
+        call, so nothing is copied when nothing is overridden)."""
+        cfg = pick_config(head_dim, capacity, ring)
+        return dataclasses.replace(cfg, **dict(self.attention)) if self.attention else cfg
 
     def tail_config(self, hidden: int, experts: int = 0) -> TailLaunch | None:
         if not self.tails:
