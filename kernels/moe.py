@@ -863,7 +863,8 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         d.weights.stride(0), d.weights.stride(1), out.stride(0),
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
-        HOIST=cfg.down_hoist, EARLY=cfg.early_loads, IDS_AHEAD=cfg.down_ids_ahead,
+        HOIST=cfg.down_hoist, EARLY=cfg.early_loads,
+        IDS_AHEAD=cfg.down_ids_ahead and not cfg.down_hoist,  # hoisted: its ids are ahead
         trace_ptr=out if d.trace is None else d.trace, TRACE=d.trace is not None,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )

@@ -42,7 +42,8 @@ class MoeLaunch:
     # down_rows' expert ids loaded before its expert loop (kernels/moe.py
     # _moe_down_rows_kernel IDS_AHEAD), the scales still in it: the only in-loop load a tile
     # address waited for, so Triton's pipeliner can overlap the next expert's tiles with this
-    # one's MMAs (≥ 3 stages); the same bits; needs down_rows, not down_hoist
+    # one's MMAs (≥ 3 stages); the same bits. The slot-major down (down_rows off) and the
+    # hoisted one (down_hoist) load their ids before their loops anyway: for them it is a no-op
     down_ids_ahead: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits
@@ -73,10 +74,6 @@ class MoeLaunch:
         if self.down_hoist and not (self.down_rows and not self.silu_in_down):
             raise ValueError("MoeLaunch.down_hoist: hoists the row-major down's loads; needs "
                              "down_rows on and silu_in_down off")
-        if self.down_ids_ahead and not (self.down_rows and not self.down_hoist):
-            raise ValueError("MoeLaunch.down_ids_ahead: loads the row-major down's ids before "
-                             "its loop; needs down_rows on and down_hoist off (which loads "
-                             "them there already)")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")
@@ -121,7 +118,11 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
     moe.down_block_n=…` in the round, H100, 4 of 4 pairs at widths 6 / 8, 1K / 4K): 32 channels
     1.6–1.9 % faster rounds than 64; 128 channels 3.0–3.6 % slower; 4 warps 2.0–2.6 % slower;
     3 stages ±0.2 % — of a loop that does not pipeline at any stage count (its expert id is
-    loaded in it; down_ids_ahead or down_hoist with ≥ 3 stages does: not yet measured)."""
+    loaded in it). down_ids_ahead at 3 stages (the ids before the loop: expert k+1's tiles in
+    flight during expert k's MMAs; reports/benchmarks/h100-2026-12-07b/, H100): standalone
+    26.0 / 43.8 / 49.6 µs vs 27.6 / 45.5 / 50.7 µs at 1 / 6 / 8 rows (4 stages 26.5 / 45.4 /
+    51.3, down_hoist at 3 stages 27.9 / 46.1 / 50.8); in the round 0.5–0.9 % faster in 4 of 4
+    pairs at widths 6 / 8, 1K / 4K — pinned."""
     if device_type == "cpu":
         return MoeLaunch(
             gate_up_block_n=max(16, triton.next_power_of_2(inter)),
@@ -133,9 +134,10 @@ def moe_launch(hidden: int, inter: int, device_type: str = "cuda") -> MoeLaunch:
         down_block_n=32,
         combine_block_h=min(512, max(16, triton.next_power_of_2(hidden))),
         gate_up_stages=3,
-        down_stages=2,
+        down_stages=3,
         gate_up_k_blocks=6,
         gate_up_warps=2,
         down_warps=2,
         down_rows=True,
+        down_ids_ahead=True,
     )

@@ -482,10 +482,6 @@ def test_hoisted_loads_read_what_they_must(device):
         MoeLaunch(32, 64, 128, down_hoist=True)
     with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
         MoeLaunch(32, 64, 128, down_rows=True, silu_in_down=True, down_hoist=True)
-    with pytest.raises(ValueError, match="down_ids_ahead: .* down_hoist off"):
-        MoeLaunch(32, 64, 128, down_rows=True, down_hoist=True, down_ids_ahead=True)
-    with pytest.raises(ValueError, match="down_ids_ahead: .* needs down_rows on"):
-        MoeLaunch(32, 64, 128, down_ids_ahead=True)
 
 
 @pytest.mark.slow
@@ -756,12 +752,13 @@ for name, fold, hoist, early in (("gate_up", True, False, False),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
 # the row-major down on aq, sa: ids and scales in the loop, hoisted, hoisted and loaded early,
-# traced; with 4 and with 3 stages; the ids ahead of the loop
+# traced; with 4 and with 3 stages; the ids ahead of the loop (the pinned H200 launch)
 for name, hoist, early, trace, stages, ahead in (
         ("aq", False, False, False, 2, False), ("hoist", True, False, False, 2, False),
         ("hoist_early", True, True, False, 2, False), ("trace", False, False, True, 2, False),
         ("aq_s4", False, False, False, 4, False), ("hoist_s3", True, False, False, 3, False),
-        ("hoist_s4", True, False, False, 4, False), ("ahead_s3", False, False, False, 3, True),
+        ("hoist_s4", True, False, False, 4, False),
+        ("pinned", False, False, False, cfg.down_stages, cfg.down_ids_ahead),
         ("ahead_s3_trace", False, False, True, 3, True)):
     out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
@@ -823,8 +820,9 @@ def test_moe_kernels_compile_for_sm90():
     assert got["down_rows_hoist"]["in_flight"] == 0  # 2 stages: single-buffered
     assert got["down_rows_hoist_s3"]["in_flight"] == 4
     assert got["down_rows_hoist_s4"]["in_flight"] == 8
-    # with only the ids ahead of the loop (the scales still loaded in it) the same, traced too
-    for name in ("down_rows_ahead_s3", "down_rows_ahead_s3_trace"):
+    # with only the ids ahead of the loop (the scales still loaded in it, 3 stages: the pinned
+    # launch) the same, traced too
+    for name in ("down_rows_pinned", "down_rows_ahead_s3_trace"):
         assert got[name]["in_flight"] == 4 and got[name]["loop_loads"] >= 3, name
     # the traced row-major down and gate/up (moe_fp8 trace=…, gate_up_trace=…): their stamps
     # read the global timer (start, past the exit, per expert or block, after the store), the
