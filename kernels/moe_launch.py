@@ -27,7 +27,8 @@ class MoeLaunch:
     fold_combine: bool = False
     # launch 3 recomputed inside launch 4: each down program makes its rows' SiLU·up and
     # quantization from the gate/up partials (kernels/moe.py _silu_cols): the same bits, no
-    # launch 3 and no counters
+    # launch 3 and no counters. Row-major (down_rows) at the TP8 shape it needs down_stages 2:
+    # each stage holds the partials' tiles, 282 KB of shared memory at 3 (sm_90 allows 227)
     silu_in_down: bool = False
     # launches 4 and 5 as one row-major launch: program (row, hidden tile) walks the row's K
     # experts and sums in registers (kernels/moe.py _moe_down_rows_kernel): the same bits, no
