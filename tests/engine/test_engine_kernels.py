@@ -39,7 +39,11 @@ from reference.speculative import GenerationRequest
 from tests.helpers.engine_setup import GREEDY, SAMPLING, cache_problems, held, make_ckpt, prefill
 
 pytestmark = pytest.mark.slow
-PROMPT = (5,)  # short: every interpreted forward costs seconds; 1 + 8 − 1 positions = one chunk
+PROMPT = (5,)  # short: every interpreted forward costs seconds
+# The greedy test's prompt (1 + 8 − 1 committed positions = one prefill chunk): its 8 tokens take
+# 3 rounds accepting 3, 0 and 1 of 3 drafts — a draft catch-up after a bonus, a full and a partial
+# rejection, rounds reading a rolled-back cache (the test asserts it on the twins' rounds).
+GREEDY_PROMPT = (250,)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def _top2_gap(logits: torch.Tensor) -> float:
 
 @pytest.mark.slow
 def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
-    req = GenerationRequest(PROMPT, 8, GREEDY, 0)
+    req = GenerationRequest(GREEDY_PROMPT, 8, GREEDY, 0)
     eng = _engine(ckpt, "kernels")
     lock = Lockstep(eng, strict=True)
     res = eng.generate(req)
@@ -73,10 +77,10 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     assert set(lock.quantized) == {"MoE", "attention", "combine"}, \
         f"GEMMs taking a tail's quantization: {lock.quantized}"
     print("\nkernels vs twins on the same inputs, worst first:\n" + "\n".join(lock.report()))
-    seq = list(PROMPT) + res.tokens
+    seq = list(GREEDY_PROMPT) + res.tokens
     committed = seq[:-1]  # the last emitted token is in no cache
     logits_k, _, caches = prefill(eng, committed)
-    first = len(PROMPT) - 1
+    first = len(GREEDY_PROMPT) - 1
     assert logits_k[first:].argmax(-1).tolist() == res.tokens  # speculative == plain greedy
     # every target row whose context was committed has the prefill's logits, bit for bit
     rows = {tuple(c[1])[0] - 1: c[4] for c in lock.served if c[0] == 0}  # first position → rows
@@ -109,6 +113,9 @@ def test_kernels_greedy_exact_round_semantics_and_explained_flips(ckpt):
     for p, gap in gaps.items():
         assert gap <= 2 * band, f"flip at position {p}: top-2 gap {gap:.4g} > 2 × band {band:.4g}"
     t_res = twins.generate(req)
+    accepted = [r.accepted for r in t_res.rounds]
+    assert 3 in accepted[:-1] and 0 in accepted and {1, 2} & set(accepted), \
+        f"the request no longer covers a catch-up, a full and a partial rejection: {accepted}"
     pairs = zip(res.tokens, t_res.tokens, strict=True)
     diverge = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
     print(f"twins greedy: tokens {t_res.tokens} (first difference: token {diverge})")
