@@ -43,6 +43,9 @@ class DepthPolicyGateConfig:
     seeds: tuple[int, ...] = (5, 6, 7)
 
 
+QUICK = DepthPolicyGateConfig(kinds=("completion",))  # qualify --quick: one prompt per seed
+
+
 def policy(name: str) -> AdaptiveDepth:
     if name == "prior":
         return default_adaptive()

@@ -191,8 +191,7 @@ def gate_tp_sampling(q: QualifyConfig, models) -> GateResult:
 def gate_depth_policy(q: QualifyConfig, models) -> GateResult:
     """The adaptive depth decisions on the device == the reference policy's, every round (quick:
     one prompt)."""
-    quick = depth_policy_gate.DepthPolicyGateConfig(kinds=("completion",)) if q.quick else None
-    ok, margin, evidence = depth_policy_gate.run(quick)
+    ok, margin, evidence = depth_policy_gate.run(depth_policy_gate.QUICK if q.quick else None)
     return GateResult("7b adaptive depth decisions", PASS if ok else FAIL, margin, evidence)
 
 
