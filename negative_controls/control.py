@@ -34,17 +34,20 @@ def patched(owner, **attrs):
             setattr(owner, name, fn)
 
 
-def gated(run, mutant) -> Callable[[bool], tuple[bool, list[str]]]:
-    """A Control's run: the gate `run()` → (ok, margin, evidence) as is, or inside `mutant()`.
-    Its `baseline` attribute is `run` itself: controls gated by the same run share one unmutated
-    run (negative_controls/run.py runs it once)."""
+def gated(run, mutant, baseline=None) -> Callable[[bool], tuple[bool, list[str]]]:
+    """A Control's run: the gate `run()` → (ok, margin, evidence) inside `mutant()`, and unmutated
+    `baseline()` — `run` itself unless given: a gate run that holds `run`'s as an independent part
+    (it passes only if `run` passes). Its `baseline` attribute is that function: controls with
+    the same one share one unmutated run (negative_controls/run.py runs it once)."""
+    baseline = baseline or run
+
     def gate(mutated: bool):
         if not mutated:
-            ok, _, ev = run()
+            ok, _, ev = baseline()
             return ok, ev
         with mutant():
             ok, _, ev = run()
         return ok, ev
 
-    gate.baseline = run
+    gate.baseline = baseline
     return gate

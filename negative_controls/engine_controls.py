@@ -147,7 +147,9 @@ def padding_row_leaks_into_live_rows():
 
 def _public_conventions_only():
     """Gate 4b's run under the public conventions: the one both draft-convention mutants reach
-    (the mini's own run uses offset 0 and "keep", where neither mutation changes anything)."""
+    (the mini's own run uses offset 0 and "keep", where neither mutation changes anything). The
+    whole gate's unmutated run holds this one (each convention runs on its own): it is these
+    controls' baseline, shared with the rollback and RoPE controls."""
     public = engine_cache_gate.EngineCacheGateConfig(conventions=((-1, "recompute"),))
     return engine_cache_gate.run(public)
 
@@ -178,14 +180,14 @@ CONTROLS = (
         "4b engine cache settlement",
         "the runtime rotates draft rows at their own position, ignoring "
         "draft_position_offset -1",
-        gated(_public_conventions_only, draft_rope_offset_ignored),
+        gated(_public_conventions_only, draft_rope_offset_ignored, baseline=engine_cache_gate.run),
     ),
     Control(
         "draft_kv_settle_ignored",
         "4b engine cache settlement",
         "draft_kv_settle 'recompute' is ignored by runtime and reference alike: both keep the "
         "accepted deeper draft rows",
-        gated(_public_conventions_only, draft_kv_settle_ignored),
+        gated(_public_conventions_only, draft_kv_settle_ignored, baseline=engine_cache_gate.run),
     ),
     Control(
         "padding_row_leaks_into_live_rows",
