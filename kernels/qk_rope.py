@@ -103,7 +103,21 @@ def qkv_launch() -> QkvLaunch:
 
 @dataclass(frozen=True)
 class QkRopeLaunch:
-    num_warps: int = 1  # one program per (row, head): D ≤ 256 values
+    num_warps: int = 1  # one program per (row block, head): D ≤ 256 values a row
+    # Rows per program, a power of two. None: 1 compiled; under the interpreter every row in one
+    # block: the interpreter runs each program as Python (10–15 ms at the tiny model's head
+    # size), and a program per row makes qk_rope half of an interpreted forward. A row's values
+    # never depend on its block-mates (qk_rope_rows): every choice gives the same bits.
+    rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rows is not None and (self.rows < 1 or self.rows & (self.rows - 1)):
+            raise ValueError(f"QkRopeLaunch.rows: power of two >= 1 or None, got {self.rows}")
+
+    def rows_per_program(self, r: int) -> int:
+        if self.rows is not None:
+            return self.rows
+        return triton.next_power_of_2(r) if interpreting() else 1
 
 
 # --- kernel ----------------------------------------------------------------------------------
@@ -342,11 +356,12 @@ def qk_rope(
     if r == 0:
         return call.q, call.k, call.v
     cfg = config or QkRopeLaunch()
-    _qk_rope_kernel[(r, call.heads)](
+    block_r = cfg.rows_per_program(r)
+    _qk_rope_kernel[(triton.cdiv(r, block_r), call.heads)](
         qkv, *call.pointers[:4], call.n, *call.pointers[4:],
         r, table.positions, call.capacity, float(eps),
         qkv.stride(0) if s > 1 else 0, qkv.stride(-2), qkv.stride(-1), *call.strides,
-        S=s, BLOCK_R=1, **call.constexprs,
+        S=s, BLOCK_R=block_r, **call.constexprs,
         num_warps=cfg.num_warps, **launch_opts(pdl, enable_fp_fusion=False),
     )
     return call.q, call.k, call.v

@@ -23,7 +23,7 @@ import torch
 from iquestrt.capture import graph_capture
 from kernels.kv_cache import KVLayout, LayerKV, write_kv
 from kernels.linear import LinearLaunch, linear_fp8, linear_fp8_partials
-from kernels.qk_rope import RopeTable, qk_rope, rope_table
+from kernels.qk_rope import QkRopeLaunch, RopeTable, qk_rope, rope_table
 from qualification.tolerances import check, tolerance
 from reference import ops
 from reference.twins.qk_rope import head_rms_norm_ref, qk_rope_ref
@@ -157,6 +157,20 @@ def test_qk_rope_matches_twin_bit_exactly(case, device):
         print(f"\n  [{case.name}] {name} vs model._attn: {m}, "
               f"{int((bits(a) != bits(b)).sum())} of {a.numel()} differ")
     assert torch.equal(bits(got[2]), bits(ref[2])), "v is the projection's bf16 value"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_rows_per_program_give_the_same_bits(rows, device):
+    """QkRopeLaunch.rows: a program per row (the compiled default) and blocks of 2 or 4 rows
+    (padding rows inside a block, a block past the live rows, one past R) give the twin's bits,
+    as the default block of every row does (the test above, under the interpreter)."""
+    for case in (CASES[0], CASES[2]):
+        inp = make_inputs(case, 60 + CASES.index(case))
+        table = rope_table(case.table_positions, case.rot, case.theta, device)
+        got = run_kernel(case, inp, table, device, config=QkRopeLaunch(rows=rows))
+        assert_bit_exact(got, twin(case, inp, table), f"{case.name}, {rows} rows a program")
+    with pytest.raises(ValueError, match="QkRopeLaunch.rows: power of two"):
+        QkRopeLaunch(rows=3)
 
 
 @pytest.mark.parametrize("offset", [-1, 0])
