@@ -135,6 +135,9 @@ def test_stability_gate_passes_fold_and_fails_a_dropped_sink():
 
 @pytest.mark.slow
 def test_sampler_gate_fails_a_sampler_keyed_without_position(monkeypatch):
+    """The mutant runs the gate without its sampling settings: their checks draw at the same
+    positions on both sides (a sampler keyed without position passes them); the uniform rows'
+    rng check is the one that must catch it."""
     import kernels.sampler as ks
     from qualification import sampler_gate
 
@@ -146,7 +149,7 @@ def test_sampler_gate_fails_a_sampler_keyed_without_position(monkeypatch):
         return real(logits, params, seed, positions * 0, *a, **kw)
 
     monkeypatch.setattr(ks, "sample", no_position)
-    ok, evidence = sampler_gate.run()
+    ok, evidence = sampler_gate.run(sampler_gate.SamplerGateConfig(settings=()))
     assert not ok and any("position" in e for e in evidence), evidence
 
 
