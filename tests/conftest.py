@@ -12,6 +12,10 @@ HAS_GPU = torch.cuda.is_available()
 torch.set_num_threads(1)
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.helpers.interpreter_repatch import skip_repeated_patching
+
+    skip_repeated_patching()
 
 
 def pytest_collection_modifyitems(config, items):
