@@ -63,6 +63,7 @@ def skip_repeated_patching() -> bool:
             raise ti.InterpreterError(repr(e)) from e
 
     call.skips_repeated_patching = True
+    call.original, launch.original = device_call, launch_call  # what tests compare against
     ti.GridExecutor.__call__ = launch
     ti.InterpretedFunction.__call__ = call
     return True
