@@ -13,9 +13,9 @@ torch.set_num_threads(1)
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from tests.helpers.interpreter_repatch import skip_repeated_patching
+    from tests.helpers import interpreter_speed
 
-    skip_repeated_patching()
+    interpreter_speed.install()
 
 
 def pytest_collection_modifyitems(config, items):

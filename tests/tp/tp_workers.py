@@ -12,10 +12,10 @@ def _setup():
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
 
-    from tests.helpers.interpreter_repatch import skip_repeated_patching
+    from tests.helpers import interpreter_speed
 
     torch.set_num_threads(1)
-    skip_repeated_patching()
+    interpreter_speed.install()
 
 
 def sampling_worker(rank: int, world: int, port: int, out_dir: str, timeout_s: float) -> None:

@@ -1,10 +1,12 @@
-"""The test harness's interpreter speed-up (tests/helpers/interpreter_repatch.py): under Triton
-3.6 it is installed, it patches the language modules once per launch instead of once per
-device-function call, the kernels it runs give the interpreter's own bits, and a launch leaves
-the language modules as it found them."""
+"""The test harness's interpreter speed-ups (tests/helpers/interpreter_speed.py): under Triton
+3.6 both are installed; a launch patches the language modules once instead of once per
+device-function call and leaves them as it found them; int32 ops no longer compute overflow
+checks that the builder would drop (debug off), while a builder in debug mode still raises on
+them; the kernels give the interpreter's own bits."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,7 +15,7 @@ import triton
 import triton.language as tl
 from triton.runtime import interpreter as ti
 
-from tests.helpers import interpreter_repatch
+from tests.helpers import interpreter_speed
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="the speed-up concerns the interpreter only")
@@ -35,7 +37,14 @@ def _outer(x, s):
 def _kernel(x_ptr, y_ptr, n, s, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    tl.store(y_ptr + offs, _outer(x, s), mask=offs < n)
+    # int32 arithmetic (checked for overflow by the interpreter's own builder): the element index
+    j = (offs * 7 + 3 - offs * 6 - 3) % n
+    tl.store(y_ptr + j, _outer(x, s), mask=offs < n)
+
+
+@triton.jit
+def _overflow_kernel(out_ptr, big):
+    tl.store(out_ptr, big * 2)  # int32 × 2 past 2**31 - 1
 
 
 def _run() -> torch.Tensor:
@@ -45,14 +54,22 @@ def _run() -> torch.Tensor:
     return y
 
 
+def _checking_overflow(monkeypatch, debug: bool = False) -> None:
+    """The interpreter's own builder options (debug False), or debug mode."""
+    b = ti.interpreter_builder
+    monkeypatch.setattr(b, "options", dataclasses.replace(b.options, sanitize_overflow=True,
+                                                          debug=debug))
+
+
 def _installed() -> bool:
     return getattr(ti.InterpretedFunction.__call__, "skips_repeated_patching", False)
 
 
 def test_installed_under_the_triton_it_was_written_for():
-    if triton.__version__ != interpreter_repatch.VERSION:
+    if triton.__version__ != interpreter_speed.VERSION:
         pytest.skip(f"Triton {triton.__version__}: the interpreter's own behaviour is kept")
-    assert _installed() and interpreter_repatch.skip_repeated_patching()
+    assert _installed() and interpreter_speed.install()
+    assert ti.interpreter_builder.options.sanitize_overflow is False
 
 
 @pytest.fixture
@@ -72,6 +89,7 @@ def test_a_launch_patches_once_and_gives_the_interpreters_bits(monkeypatch, patc
     monkeypatch.setattr(ti.InterpretedFunction, "__call__",
                         ti.InterpretedFunction.__call__.original)
     monkeypatch.setattr(ti.GridExecutor, "__call__", ti.GridExecutor.__call__.original)
+    _checking_overflow(monkeypatch)
     own = _run()
     assert len(patch_calls) == 1 + 3 * 2, patch_calls
     assert torch.equal(fast, own)
@@ -89,3 +107,21 @@ def test_a_launch_leaves_the_language_modules_as_it_found_them():
     _run()
     assert {n: getattr(tl, n) for n in names} == before
     assert tl.core.tensor.__add__ is add
+
+
+def test_the_skipped_overflow_checks_are_the_ones_dropped_outside_debug_mode(monkeypatch):
+    if not _installed():
+        pytest.skip("not installed for this Triton")
+    assert ti.interpreter_builder.options.debug is False
+    out = torch.zeros(1, dtype=torch.int32)
+    _overflow_kernel[(1,)](out, 2**30 + 5)
+    assert out.item() == -(2**31) + 10  # wrapped, as a compiled kernel's int32 does
+    _checking_overflow(monkeypatch)  # the interpreter's own options: checked, then dropped
+    out.zero_()
+    _overflow_kernel[(1,)](out, 2**30 + 5)
+    assert out.item() == -(2**31) + 10
+    _checking_overflow(monkeypatch, debug=True)  # the same check, kept: it raises
+    with pytest.raises(Exception, match="int32 overflow detected for operation mul"):
+        _overflow_kernel[(1,)](out, 2**30 + 5)
+    assert not interpreter_speed.skip_overflow_checks()  # debug mode keeps its checks
+    assert ti.interpreter_builder.options.sanitize_overflow is True
