@@ -8,6 +8,9 @@ bench_moe's disjoint expert sets (so the weights stream from HBM as in a decode 
 
 --variant FIELD=V,… (MoeLaunch fields, as bench_moe's) stamps that launch configuration too,
 after the pinned one at each row count; the down's stamps need its row-major loop unhoisted.
+--raw DIR saves every stamped launch as well: DIR/{rows}rows_{variant}.pt, {"gate_up", "down":
+int64 [replays·launches, programs, slots]} (slot 0 start ns, slot SM_SLOT the SM; which SM ran
+which program, for placement studies).
 
 Every row count is checked against the twin first (benchmarks/bench_moe.py check_against_twin).
 Each call's two launches are stamped into their own traces; a launch's stamps are measured from
@@ -78,8 +81,9 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, list[float]]:
 
 
 def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int,
-             cfg=None, label: str = "pinned") -> dict:
-    """cfg: a MoeLaunch (None: the pinned one), named label in the tables."""
+             cfg=None, label: str = "pinned", raw: Path | None = None) -> dict:
+    """cfg: a MoeLaunch (None: the pinned one), named label in the tables; raw: a folder for
+    the stamps themselves."""
     from kernels.moe import moe_fp8
     from kernels.timeline import new_trace
 
@@ -110,6 +114,8 @@ def run_rows(rows: int, distinct: int, launches: int, replays: int, trials: int,
         torch.cuda.synchronize()
         for k, ts in traces.items():
             got[k].append(torch.stack(ts).cpu())
+    if raw is not None:
+        torch.save({k: torch.cat(v) for k, v in got.items()}, raw / f"{rows}rows_{label}.pt")
     return {"rows": rows, "distinct": distinct, "variant": label, "launches": launches * replays,
             "graph_us": graph_us, "check": check,
             **{k: summarize(launch_stats(torch.cat(v), k)) for k, v in got.items()}}
@@ -138,7 +144,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--variant", action="append", default=[], metavar="FIELD=V,…",
                     help="MoeLaunch fields changed from the pinned launch (repeatable)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--raw", type=Path, metavar="DIR", help="save the stamps too (a folder)")
     a = ap.parse_args(argv)
+    if a.raw is not None and a.raw.exists() and not a.raw.is_dir():
+        ap.error(f"--raw {a.raw}: exists and is not a folder")
     distinct = dict(DEFAULT_DISTINCT)
     bad = [r for r in a.rows if r not in distinct]
     if bad:
@@ -154,10 +163,13 @@ def main(argv=None) -> list[dict]:
                  f"(down_rows on, down_hoist off)")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the stamps read the GPU's %globaltimer)")
+    if a.raw is not None:
+        a.raw.mkdir(parents=True, exist_ok=True)
     results = []
     for r in a.rows:
         for name, cfg in configs:
-            results.append(run_rows(r, distinct[r], a.launches, a.replays, a.trials, cfg, name))
+            results.append(run_rows(r, distinct[r], a.launches, a.replays, a.trials, cfg, name,
+                                    a.raw))
             print(f"[{r} rows, {name}] checked: {results[-1]['check']['kernel_vs_twin']}",
                   flush=True)
     for kind in ("gate_up", "down"):

@@ -81,11 +81,15 @@ def test_programs_past_no_exit_do_not_count_but_start_the_clock():
     assert torch.allclose(launch_stats(flat(tr))["exit"], six["exit"] - 1.0)
 
 
-def test_refusals():
+def test_refusals(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--rows", "3"])  # bench_moe defines no routing for 3 rows
     with pytest.raises(SystemExit):
         main(["--launches", "0"])
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        main(["--raw", str(tmp_path / "f")])
+    assert "exists and is not a folder" in capsys.readouterr().err
 
 def test_variants_are_checked_before_any_gpu_work(capsys):
     for bad, says in (("down_hoist=1", "unhoisted"), ("down_rows=0", "unhoisted"),
