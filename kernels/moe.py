@@ -92,6 +92,23 @@ def _slot_lead(ids_ptr, n_live, stride_ir, stride_ik, K: tl.constexpr, S_PAD: tl
 
 
 @triton.jit
+def _distinct_experts(ids_ptr, n_live, stride_ir, stride_ik, K: tl.constexpr,
+                      S_PAD: tl.constexpr):
+    """→ (ids [S_PAD], rank [S_PAD], n): every live slot's expert (-1 past them), each slot's
+    rank among the lead slots (a lead: the first live slot routing to its expert; 0, 1, … in
+    slot order, -1 for the others) and the number of distinct experts n. The compact gate/up
+    (MoeLaunch.gate_up_compact) gives expert rank d the work the slot grid gives the d-th lead
+    slot (`_slot_lead`)."""
+    s = tl.arange(0, S_PAD)
+    live = s // K < n_live
+    ids = tl.load(ids_ptr + (s // K) * stride_ir + (s % K) * stride_ik, mask=live, other=-1)
+    before = (s[None, :] < s[:, None]) & (ids[None, :] == ids[:, None])  # [S_PAD, S_PAD]
+    lead = live & (tl.sum(before.to(tl.int32), axis=1) == 0)
+    rank = tl.cumsum(lead.to(tl.int32), axis=0) - 1
+    return ids, tl.where(lead, rank, -1), tl.sum(lead.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik,
                  K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
     """hit [BR, K_PAD]: live row r's k-th slot routes to expert e."""
@@ -136,12 +153,35 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, K_BLOCKS: tl.constexpr,
     FOLD: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr, QUANT: tl.constexpr,
     HOIST: tl.constexpr, EARLY: tl.constexpr, trace_ptr, TRACE: tl.constexpr, PDL: tl.constexpr,
+    COMPACT: tl.constexpr,
 ):
     """Launch 2: program (slot, channel tile, K split). TRACE (`moe_fp8(gate_up_trace=…)`): at
     pid (slot·T + tile)·KS + split, slot 0 its start (and SM), 1 past the lead exit (an expert's
     first live slot goes on), 2 + b after hidden block b's products (slot 9: the last block's
-    when the split has more than 8), 10 after its partials are stored (kernels/timeline.py)."""
+    when the split has more than 8), 10 after its partials are stored (kernels/timeline.py).
+    COMPACT (MoeLaunch.gate_up_compact): a 1-D grid of the same size whose program w takes work
+    item (expert rank d, tile, split) = (w // (T·KS), w // KS % T, w % KS) — the slot-grid
+    program of the rank-d lead slot, the same loads and products: the same bits — while w <
+    n·T·KS for the n distinct experts: the programs with work are the grid's first, whatever
+    the routing. Stamped at pid w likewise (slot 1: w has an item). No FOLD or EARLY."""
     pdl_enter(PDL)
+    if COMPACT:
+        w = tl.program_id(0)
+        stamp_start(trace_ptr, w, TRACE)
+        n_live = tl.minimum(tl.load(n_live_ptr), R)
+        ids, rank, n_e = _distinct_experts(ids_ptr, n_live, stride_ir, stride_ik, K, S_PAD)
+        T = (I + BLOCK_N - 1) // BLOCK_N  # channel tiles
+        if w >= n_e * T * KS:
+            return
+        stamp(trace_ptr, w, 1, TRACE)
+        e = tl.sum(tl.where(rank == w // (T * KS), ids, 0), axis=0)  # one slot has that rank
+        hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
+        _gate_up_item(xq_ptr, xs_ptr, fc_ptr, fcs_ptr, p_ptr, e, hit, w // KS % T, w % KS,
+                      stride_xqr, stride_xsr, stride_fe, stride_fn, stride_fk, stride_se,
+                      stride_sn, stride_sk, stride_pj, stride_ps, H, I, K, K_PAD, BLOCK_N,
+                      BLOCK_R, K_BLOCKS, HOIST, trace_ptr, w, TRACE)
+        stamp(trace_ptr, w, 10, TRACE)
+        return
     pid = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * KS + tl.program_id(2)
     stamp_start(trace_ptr, pid, TRACE)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
@@ -155,15 +195,35 @@ def _moe_gate_up_kernel(
     stamp(trace_ptr, pid, 1, TRACE)
     if not EARLY:
         hit = _expert_hits(ids_ptr, e, n_live, stride_ir, stride_ik, K, K_PAD, BLOCK_R)
-    rows = tl.arange(0, BLOCK_R)  # [BR]
+    _gate_up_item(xq_ptr, xs_ptr, fc_ptr, fcs_ptr, p_ptr, e, hit, tl.program_id(1),
+                  tl.program_id(2), stride_xqr, stride_xsr, stride_fe, stride_fn, stride_fk,
+                  stride_se, stride_sn, stride_sk, stride_pj, stride_ps, H, I, K, K_PAD,
+                  BLOCK_N, BLOCK_R, K_BLOCKS, HOIST, trace_ptr, pid, TRACE)
+    stamp(trace_ptr, pid, 10, TRACE)
+    if FOLD:
+        _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
+                   stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+                   I, K, K_PAD, KS, GROUPS, QUANT, BLOCK_R)
+
+
+@triton.jit
+def _gate_up_item(xq_ptr, xs_ptr, fc_ptr, fcs_ptr, p_ptr, e, hit, t, j, stride_xqr, stride_xsr,
+                  stride_fe, stride_fn, stride_fk, stride_se, stride_sn, stride_sk, stride_pj,
+                  stride_ps, H: tl.constexpr, I: tl.constexpr, K: tl.constexpr,
+                  K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  K_BLOCKS: tl.constexpr, HOIST: tl.constexpr, trace_ptr, pid,
+                  TRACE: tl.constexpr):
+    """Expert e's channel tile t, K split j (hit [BR, K_PAD]: the live slots routed to e): the
+    gate and up partials of every such slot."""
+    rows = tl.arange(0, BLOCK_R)
     uses = tl.max(hit.to(tl.int32), axis=1) > 0  # [BR] rows routed to e
-    c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
+    c = t * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] intermediate channels
     cm = c < I
-    j = tl.program_id(2)  # K split: hidden blocks [j·K_BLOCKS, (j+1)·K_BLOCKS)
     w_e = fc_ptr + e.to(tl.int64) * stride_fe
     s_e = fcs_ptr + e.to(tl.int64) * stride_se
     acc_g = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
+    # K split j: hidden blocks [j·K_BLOCKS, (j+1)·K_BLOCKS)
     acc_g, acc_u = _gate_up_loop(acc_g, acc_u, xq_ptr, xs_ptr, w_e, s_e, rows, uses, c, cm, j,
                                  stride_xqr, stride_xsr, stride_fn, stride_fk, stride_sn,
                                  stride_sk, H, I, K_BLOCKS, HOIST, trace_ptr, pid, TRACE)
@@ -173,11 +233,6 @@ def _moe_gate_up_kernel(
     sm = cm[:, None, None] & hit[None, :, :]
     tl.store(dst, acc_g[:, :, None], mask=sm)
     tl.store(dst + I, acc_u[:, :, None], mask=sm)
-    stamp(trace_ptr, pid, 10, TRACE)
-    if FOLD:
-        _fold_silu(p_ptr, cnt_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, e, n_live, stride_ir,
-                   stride_ik, stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
-                   I, K, K_PAD, KS, GROUPS, QUANT, BLOCK_R)
 
 
 @triton.jit
@@ -690,6 +745,12 @@ def _scratch(scratch: MoeScratch | None, fold: bool, device) -> MoeScratch | Non
     return MoeScratch.create(device) if scratch is None else scratch
 
 
+def _gate_up_grid(cfg: MoeLaunch, slots: int, tiles: int, ks: int) -> tuple[int, ...]:
+    """Launch 2's grid: (slot, tile, split), or its size in one dimension (cfg.gate_up_compact:
+    program w, work item w)."""
+    return (slots * tiles * ks,) if cfg.gate_up_compact else (slots, tiles, ks)
+
+
 def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
                   scratch: MoeScratch | None = None, silu: bool = True) -> torch.Tensor:
     """Launch 2, then 3 (or 3 inside 2, cfg.fold_silu): the K-split partials, then SiLU(gate)·up
@@ -708,7 +769,8 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         a_, aq_, sa_, strides = a, dummy, dummy, (a.stride(0), 0, 0)
     groups = triton.next_power_of_2(blocks(inter))
     sc = _scratch(scratch, cfg.fold_silu, g.xq.device)
-    _moe_gate_up_kernel[(r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)](
+    grid = _gate_up_grid(cfg, r * k, triton.cdiv(inter, cfg.gate_up_block_n), ks)
+    _moe_gate_up_kernel[grid](
         g.xq, g.xs, g.ids, g.n, g.fc, g.fc_scale_inv, part,
         dummy if sc is None else sc.counters, a_, aq_, sa_, r, g.hidden, inter,
         g.xq.stride(0), g.xs.stride(0), g.ids.stride(0), g.ids.stride(1),
@@ -718,6 +780,7 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
         K_BLOCKS=cfg.k_blocks(g.hidden), FOLD=sc is not None, KS=ks, GROUPS=groups,
         QUANT=quant, HOIST=cfg.gate_up_hoist, EARLY=cfg.early_loads,
         trace_ptr=part if g.trace is None else g.trace, TRACE=g.trace is not None,
+        COMPACT=cfg.gate_up_compact,
         num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages,
         **launch_opts(g.pdl),
     )

@@ -56,6 +56,14 @@ class MoeLaunch:
     # down_hoist; the same bits. Off: 1.2–1.5 % faster rounds at width 8 but 0.6–1.0 % slower
     # at width 6 on the H100 (reports/benchmarks/h100-2026-12-07/)
     early_loads: bool = False
+    # gate/up's grid in one dimension, program w taking work item (distinct expert, channel
+    # tile, K split) w: the programs with work come first whatever the routing, so the block
+    # scheduler makes them resident before any program that exits (kernels/moe.py
+    # _moe_gate_up_kernel COMPACT): the same bits. On the H200 the slot grid's gate/up runs in
+    # two waves at 6–8 rows: 8 buffer rows' 1 536 programs where 10 fit per SM (1 320), and one
+    # SM ran 11 of the 1 056 with work (reports/benchmarks/h200-2026-12-07/). Not with
+    # fold_silu or early_loads
+    gate_up_compact: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -75,6 +83,10 @@ class MoeLaunch:
         if self.down_hoist and not (self.down_rows and not self.silu_in_down):
             raise ValueError("MoeLaunch.down_hoist: hoists the row-major down's loads; needs "
                              "down_rows on and silu_in_down off")
+        if self.gate_up_compact and (self.fold_silu or self.early_loads):
+            raise ValueError("MoeLaunch.gate_up_compact: the compact gate/up has its own "
+                             "routing and no per-slot arrival; set fold_silu and early_loads "
+                             "off")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")

@@ -451,6 +451,49 @@ def test_hoisted_loads_give_the_same_bits(case, device):
             assert torch.equal(got, want), hoist_label(h)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """torch.empty gives NaN-filled floating tensors: a gate/up partial no program writes shows
+    (the allocator could otherwise hand back an earlier call's right values)."""
+    real = torch.empty
+
+    def empty(*a, **kw):
+        t = real(*a, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.mark.parametrize("case", (CASES[4], CASES[5], CASES[6], CASES[1]),
+                         ids=lambda c: c.name)
+def test_compact_gate_up_gives_the_slot_grids_bits(case, device, poisoned_empty, monkeypatch):
+    """MoeLaunch.gate_up_compact: program w taking work item w (distinct expert, tile, split)
+    == the slot grid, bit for bit, on every live slot — partial channel tiles and K blocks
+    (odd-5of6), 3 K splits (split3-7of8), experts shared by rows (rank-like-6of8), padding
+    rows routed to experts no live row uses (tiny-5of8). Planted: the grid cut to its first
+    program leaves slots unwritten (NaN), so the comparison sees a missing item. A GPU:
+    test_moe_tp8_compact_gate_up_gives_the_same_bits."""
+    d = to_dev(make_inputs(case, 51), device)
+    cfg = dataclasses.replace(case.config or moe_launch(case.hidden, case.inter,
+                                                        torch.device(device).type),
+                              fold_silu=False, early_loads=False)
+    args = (d.x, d.ids, d.fc, d.fc_s, d.n)
+    n, k = case.n_live, case.top_k
+    want = moe_gate_up_fp8(*args, config=cfg)[: n * k].cpu()
+    assert not want.isnan().any()
+    on = dataclasses.replace(cfg, gate_up_compact=True)
+    got = moe_gate_up_fp8(*args, config=on)[: n * k].cpu()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    monkeypatch.setattr(moe_module, "_gate_up_grid", lambda *a: (1,))
+    assert moe_gate_up_fp8(*args, config=on)[: n * k].isnan().any()
+
+
+def test_compact_gate_up_refusals():
+    for other in ("fold_silu", "early_loads"):
+        with pytest.raises(ValueError, match="set fold_silu and early_loads off"):
+            MoeLaunch(32, 64, 128, gate_up_compact=True, **{other: True})
+
+
 def test_hoisted_loads_read_what_they_must(device):
     """Each hoisted value reaches the result: a routed expert's gate/up or down scale block, an
     activation scale, a router weight or a routed expert id changed → other bits (so the
@@ -739,13 +782,14 @@ for name, fold, hoist, early in (("gate_up", True, False, False),
                                  ("gate_up_hoist", False, True, False),
                                  ("gate_up_pinned", False, False, False),
                                  ("gate_up_early", False, False, True),
-                                 ("gate_up_trace", False, False, False)):
+                                 ("gate_up_trace", False, False, False),
+                                 ("gate_up_compact", False, False, False)):
     out[name] = build(moe._moe_gate_up_kernel,
         dict(xq_ptr=f8, xs_ptr=f32, ids_ptr=i32, n_live_ptr=i32, fc_ptr=f8, fcs_ptr=f32, p_ptr=f32,
              cnt_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32, trace_ptr="*i64"),
         dict(tp8, BLOCK_N=cfg.gate_up_block_n, K_BLOCKS=cfg.gate_up_k_blocks, stride_fk=1,
              stride_ik=1, FOLD=fold, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, HOIST=hoist,
-             EARLY=early, TRACE=name == "gate_up_trace"),
+             EARLY=early, TRACE=name == "gate_up_trace", COMPACT=name == "gate_up_compact"),
         dict(num_warps=cfg.gate_up_warps, num_stages=cfg.gate_up_stages),
         ["xq_ptr", "xs_ptr", "ids_ptr", "fc_ptr", "fcs_ptr", "p_ptr", "stride_xqr", "stride_fe",
          "stride_fn", "stride_pj", "stride_ps"])
@@ -826,6 +870,11 @@ def test_moe_kernels_compile_for_sm90():
     # expert k's MMAs, single-buffered, and waits for all of them); hoisted, it keeps one
     # expert's tiles (2 blocks × operand + weight) in flight at 3 stages, two at 4
     assert got["gate_up_pinned"]["in_flight"] > 0
+    # the compact gate/up (gate_up_compact): its K loop pipelined like the slot grid's, into
+    # tensor-core MMAs, no arrival counters, the same shared memory
+    gp = got["gate_up_compact"]
+    assert gp["in_flight"] == got["gate_up_pinned"]["in_flight"] and gp["mma.sync"] > 0, gp
+    assert gp["atom.global.gpu.acq_rel"] == 0 and gp["smem"] == got["gate_up_pinned"]["smem"]
     assert got["down_rows_aq"]["in_flight"] == 0 and got["down_rows_aq_s4"]["in_flight"] == 0
     assert got["down_rows_hoist"]["in_flight"] == 0  # 2 stages: single-buffered
     assert got["down_rows_hoist_s3"]["in_flight"] == 4
@@ -977,6 +1026,20 @@ def test_moe_tp8_hoisted_loads_give_the_same_bits(n_live, hoist, device):
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     on = dataclasses.replace(cfg, **hoist)
     assert_replays_give(args, on, want, n_live, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_live", [1, 6, 8])
+def test_moe_tp8_compact_gate_up_gives_the_same_bits(n_live, device):
+    """The pinned TP8 launch with the compact gate/up grid (MoeLaunch.gate_up_compact) == the
+    slot grid, bit for bit (compiled, pipelined), over 10 graph replays."""
+    case = Case(f"tp8-compact-{n_live}of8", **TP8, rows=8, n_live=n_live)
+    d = to_dev(make_inputs(case, 660 + n_live), device)
+    cfg = moe_launch(3072, 192)
+    args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
+    want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
+    assert_replays_give(args, dataclasses.replace(cfg, gate_up_compact=True), want, n_live,
+                        device)
 
 
 @pytest.mark.gpu
