@@ -1,8 +1,9 @@
 """The test harness's interpreter speed-ups (tests/helpers/interpreter_speed.py): under Triton
-3.6 both are installed; a launch patches the language modules once instead of once per
+3.6 all three are installed; a launch patches the language modules once instead of once per
 device-function call and leaves them as it found them; int32 ops no longer compute overflow
 checks that the builder would drop (debug off), while a builder in debug mode still raises on
-them; the kernels give the interpreter's own bits."""
+them; types named, tuple-typed and mapped to numpy on first use equal the eager ones; the
+kernels give the interpreter's own bits."""
 
 from __future__ import annotations
 
@@ -80,6 +81,15 @@ def patch_calls(monkeypatch):
     return calls
 
 
+def _eager_types(monkeypatch) -> None:
+    """The interpreter's own type constructors and dtype table (their instance attributes win
+    over the deferred class attributes)."""
+    core = tl.core
+    for cls in (core.block_type, core.tuple_type, core.tuple):
+        monkeypatch.setattr(cls, "__init__", cls.__init__.original)
+    monkeypatch.setattr(ti, "_get_np_dtype", ti._get_np_dtype.original)
+
+
 def test_a_launch_patches_once_and_gives_the_interpreters_bits(monkeypatch, patch_calls):
     if not _installed():
         pytest.skip("not installed for this Triton")
@@ -90,6 +100,8 @@ def test_a_launch_patches_once_and_gives_the_interpreters_bits(monkeypatch, patc
                         ti.InterpretedFunction.__call__.original)
     monkeypatch.setattr(ti.GridExecutor, "__call__", ti.GridExecutor.__call__.original)
     _checking_overflow(monkeypatch)
+    _eager_types(monkeypatch)
+    assert "name" in vars(tl.core.block_type(tl.float32, [4]))  # eager again
     own = _run()
     assert len(patch_calls) == 1 + 3 * 2, patch_calls
     assert torch.equal(fast, own)
@@ -125,3 +137,60 @@ def test_the_skipped_overflow_checks_are_the_ones_dropped_outside_debug_mode(mon
         _overflow_kernel[(1,)](out, 2**30 + 5)
     assert not interpreter_speed.skip_overflow_checks()  # debug mode keeps its checks
     assert ti.interpreter_builder.options.sanitize_overflow is True
+
+
+def _types():
+    """Block, tuple and pointer types as kernels build them: int, constexpr and tl.tuple shapes,
+    named tuples, a tuple holding a tuple."""
+    core = tl.core
+    blocks = [core.block_type(tl.float32, [16, 32]), core.block_type(tl.bfloat16, [8]),
+              core.block_type(tl.int1, [tl.constexpr(4), 2]),
+              core.block_type(tl.pointer_type(tl.float8e4nv), core.tuple([2, 64]))]
+    shape = core.tuple([tl.constexpr(16), tl.constexpr(32)])
+    tuples = [shape, core.tuple([tl.constexpr(3), tl.float16]), core.tuple([shape, 7]),
+              core.tuple([1, 2], core.tuple_type([core.constexpr_type(1),
+                                                  core.constexpr_type(2)], ["a", "b"]))]
+    return blocks, tuples
+
+
+def _described(blocks, tuples) -> list:
+    return ([(b.name, str(b), b.numel, list(b.shape), type(b.shape)) for b in blocks]
+            + [(t.type.name, str(t.type), t.type.fields, [str(x) for x in t.type.types])
+               for t in tuples])
+
+
+def test_deferred_types_equal_the_eager_ones(monkeypatch):
+    if not getattr(tl.core.block_type.__init__, "defers_names", False):
+        pytest.skip("not installed for this Triton")
+    core = tl.core
+    fresh = core.block_type(tl.float32, [16, 32]), core.tuple([tl.constexpr(2)])
+    assert "name" not in vars(fresh[0]) and "type" not in vars(fresh[1])  # deferred
+    assert "name" not in vars(fresh[1].type)
+    assert "type" in vars(core.tuple([fresh[1], 7]))  # holds a tuple: typed at once
+    blocks, tuples = _types()
+    fast = _described(blocks, tuples)
+    with pytest.raises(TypeError, match="0d block_type is forbidden"):
+        tl.core.block_type(tl.float32, [])
+    with pytest.raises(ValueError, match="power of 2"):
+        tl.core.block_type(tl.float32, [3])
+    _eager_types(monkeypatch)
+    eager_blocks, eager_tuples = _types()
+    assert "name" in vars(eager_blocks[0]) and "type" in vars(eager_tuples[0])
+    assert fast == _described(eager_blocks, eager_tuples)
+    assert blocks == eager_blocks and [t.type for t in tuples] == [t.type for t in eager_tuples]
+    for t, e in zip(tuples, eager_tuples, strict=True):  # item assignment retypes both alike
+        t._setitem(0, tl.constexpr(5)), e._setitem(0, tl.constexpr(5))
+        assert t.type.name == e.type.name
+
+
+def test_the_dtype_table_built_once_maps_as_the_interpreters(monkeypatch):
+    if not getattr(tl.core.block_type.__init__, "defers_names", False):
+        pytest.skip("not installed for this Triton")
+    fast, own = ti._get_np_dtype, ti._get_np_dtype.original
+    scalars = [tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+               tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
+               tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15]
+    kinds = scalars + [tl.pointer_type(tl.float32)] + [
+        tl.core.block_type(t, [4]) for t in scalars + [tl.pointer_type(tl.int8)]]
+    assert [fast(t) for t in kinds] == [own(t) for t in kinds]
+    assert {str(own(t)) for t in scalars} >= {"bool", "uint8", "uint16", "float32"}

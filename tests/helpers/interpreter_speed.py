@@ -1,5 +1,5 @@
-"""Two speed-ups of Triton 3.6's interpreter for the test harness; neither changes a bit of
-what a kernel computes. `install()` applies both (tests/conftest.py in the pytest process,
+"""Three speed-ups of Triton 3.6's interpreter for the test harness; none changes a bit of
+what a kernel computes. `install()` applies all three (tests/conftest.py in the pytest process,
 tests/tp/tp_workers.py in the TP tests' spawned ranks, whenever kernels run interpreted).
 
 Repeated patching. The interpreter patches the language modules again on every call of a
@@ -17,6 +17,16 @@ drops it unless the builder's `debug` option is on — it is off, and nothing se
 result is never used, a quarter of what is left. `skip_overflow_checks()` turns it off while
 `debug` is off (a builder in debug mode keeps its checks).
 
+Type bookkeeping. Every interpreted op builds Python type objects for its result: a block_type
+(whose constructor formats a name string such as "<(16, 32), fp32>"), a tl.tuple of the
+tensor's shape (whose constructor builds a tuple_type, formatting one more name from every
+field's repr) and, per load/store/splat, a 19-entry dtype table rebuilt on each call
+(`_get_np_dtype`). The names are read only to print, compare or hash a type, a fraction of the
+ops; `defer_type_bookkeeping()` formats each name on first read (cached, the same string), gives
+a tl.tuple of values its tuple_type on first read (a tuple holding another tuple keeps the eager
+type: the inner one can change under __setitem__), unwraps an all-int block shape without the
+generic walk (the same list) and builds the dtype table once — a sixth of what is left.
+
 Other Triton versions keep the interpreter's own behaviour (install() → False).
 """
 
@@ -30,8 +40,83 @@ VERSION = "3.6.0"  # the InterpretedFunction.__call__ body that `call` below rep
 
 
 def install() -> bool:
-    """Both speed-ups (once per process) → whether they are installed (this Triton is VERSION)."""
-    return skip_repeated_patching() and skip_overflow_checks()
+    """All three speed-ups (once per process) → whether they are installed (this Triton is
+    VERSION)."""
+    return skip_repeated_patching() and skip_overflow_checks() and defer_type_bookkeeping()
+
+
+def defer_type_bookkeeping() -> bool:
+    """Type names, tuple types and the interpreter's dtype table made on first use → installed."""
+    import functools
+
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton._utils import validate_block_shape
+    from triton.language import core
+    from triton.runtime import interpreter as ti
+
+    if triton.__version__ != VERSION:
+        return False
+    if getattr(core.block_type.__init__, "defers_names", False):
+        return True
+    own = {"block_type": core.block_type.__init__, "tuple_type": core.tuple_type.__init__,
+           "tuple": core.tuple.__init__, "np_dtype": ti._get_np_dtype}
+
+    def block_type_init(self, element_ty, shape):  # block_type.__init__ less its name
+        self.element_ty = element_ty
+        assert isinstance(shape, (list, core.tuple))  # the module's `tuple` is tl.tuple
+        values = shape.values if isinstance(shape, core.tuple) else shape
+        if all(type(d) is int for d in values):  # what _unwrap_shape returns for them
+            unwrapped = list(values)
+        else:
+            unwrapped = core._unwrap_shape(shape)
+        self.shape = core.tuple(unwrapped)  # a tl.tuple, as the module's own `tuple` makes
+        if not self.shape:
+            raise TypeError("0d block_type is forbidden")
+        self.numel = validate_block_shape(self.shape)
+
+    def tuple_type_init(self, types, fields=None):  # tuple_type.__init__ less its name
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def tuple_init(self, args, type=None):
+        if type is not None:
+            return own["tuple"](self, args, type)
+        self.values = [v for v in args]
+        if any(isinstance(v, core.tuple) for v in self.values):
+            self.type = core._type_for_tuple_values(self.values)
+
+    table = {t: own["np_dtype"](t) for t in (
+        tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16, tl.uint16,
+        tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5, tl.float8e5b16,
+        tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):  # _get_np_dtype with its table built once
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            if isinstance(tt_dtype.element_ty, tl.pointer_type):
+                return pointer
+            return table[tt_dtype.element_ty]
+        return table[tt_dtype]
+
+    def lazy(cls, attr, make):
+        prop = functools.cached_property(make)  # non-data: an assignment still wins
+        prop.__set_name__(cls, attr)
+        setattr(cls, attr, prop)
+
+    lazy(core.block_type, "name", lambda t: f"<{t.shape}, {t.element_ty}>")
+    lazy(core.tuple_type, "name", lambda t: "[" + ",".join(
+        [f"{k}:{v}" for k, v in zip(t.fields, t.types, strict=False)]) + "]")
+    lazy(core.tuple, "type", lambda t: core._type_for_tuple_values(t.values))
+    block_type_init.defers_names = True
+    block_type_init.original, tuple_type_init.original = own["block_type"], own["tuple_type"]
+    tuple_init.original, get_np_dtype.original = own["tuple"], own["np_dtype"]
+    core.block_type.__init__, core.tuple_type.__init__ = block_type_init, tuple_type_init
+    core.tuple.__init__, ti._get_np_dtype = tuple_init, get_np_dtype
+    return True
 
 
 def skip_overflow_checks() -> bool:
