@@ -80,7 +80,8 @@ class DequantCache:
     """ops.dequant_block memoized per weight: the twins call it for every row, which dominated
     their time. Keyed by storage, offset, shape and the in-place version counters of weight and
     scales, so a weight changed in place (tests poison weights mid-request) is dequantized anew;
-    the values are those of the uncached call, bit for bit."""
+    the values are those of the uncached call, bit for bit, held in FP64 (FP32 → FP64 is exact):
+    the twins use them only as ops.gemm's FP64 operand, which then converts no weight per row."""
 
     def __init__(self):
         self.table: dict[tuple, torch.Tensor] = {}
@@ -94,7 +95,7 @@ class DequantCache:
         key = self._key(w) + self._key(s)
         hit = self.table.get(key)
         if hit is None:
-            hit = self.table[key] = ref_ops.dequant_block(w.cpu(), s.cpu())
+            hit = self.table[key] = ref_ops.dequant_block(w.cpu(), s.cpu()).double()
         return hit
 
 
