@@ -20,21 +20,6 @@ def test_goldens_name_the_first_differing_round():
     assert goldens.compare({"a": want["a"]}, want) == ["b: case missing"]
 
 
-@pytest.mark.slow
-def test_stored_goldens_match_the_reference_path():
-    """Against this platform's entry (or the primary); digests run on one thread and give the
-    caller's thread count back."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        got = goldens.digests()
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(threads)
-    want, where = goldens.expected(goldens.load(), goldens.platform_key())
-    assert goldens.compare(got, want) == [], where
-
-
 def test_reports_are_written_whole(tmp_path):
     res = [GateResult("g1", PASS, "10% of band", ["fine"]), GateResult("g2", FAIL, "x", ["bad"])]
     meta = {"revision": "r", "command": "c", "environment": {"device": "cpu"}}
