@@ -467,7 +467,7 @@ def _moe_down_rows_kernel(
     loaded before the loop and picked by one-hot sums (exact), so no tile address in the loop
     waits for a load made in it and the pipeliner can keep the next expert's tiles in flight
     during this one's MMAs (with ≥ 3 stages; the scales stay synchronous loads).
-    TRACE (`moe_fp8(trace=…)`, not with HOIST): per program (r, t) at pid r·T + t, slot 0 its
+    TRACE (`moe_fp8(trace=…)`, hoisted or not): per program (r, t) at pid r·T + t, slot 0 its
     start (and its SM), 1 past the live-row exit, 2 + k after expert k's term is summed (slot 9:
     the last expert's when K > 8), 10 after its store (kernels/timeline.py)."""
     pdl_enter(PDL)
@@ -475,10 +475,10 @@ def _moe_down_rows_kernel(
     pid = r * tl.num_programs(1) + tl.program_id(1)
     stamp_start(trace_ptr, pid, TRACE)
     n_live = tl.minimum(tl.load(n_live_ptr), R)
-    if not (HOIST and EARLY):
+    if not (HOIST and EARLY):  # hoisted and early: the exit (and slot 1) after the early loads
         if r >= n_live:
             return
-    stamp(trace_ptr, pid, 1, TRACE)
+        stamp(trace_ptr, pid, 1, TRACE)
     h = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] hidden channels
     hm = h < H
     col = tl.arange(0, BLOCK_R)
@@ -491,7 +491,8 @@ def _moe_down_rows_kernel(
         _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr, ps_ptr,
                            w_ptr, out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik,
                            stride_pe, stride_pn, stride_pk, stride_se, stride_sn, stride_sk,
-                           stride_wr, stride_wk, stride_or, I, K, OUT_BF16, EARLY)
+                           stride_wr, stride_wk, stride_or, I, K, OUT_BF16, EARLY,
+                           trace_ptr, pid, TRACE)
         return
     # pinned order: k = 0, 1, …, K−1 (the combine's). Pipelined over k only with IDS_AHEAD and
     # ≥ 3 stages: with the id loaded here Triton single-buffers the tiles and waits for all of
@@ -525,7 +526,8 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
                        w_ptr, out_ptr, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
                        stride_pn, stride_pk, stride_se, stride_sn, stride_sk, stride_wr,
                        stride_wk, stride_or, I: tl.constexpr, K: tl.constexpr,
-                       OUT_BF16: tl.constexpr, EARLY: tl.constexpr):
+                       OUT_BF16: tl.constexpr, EARLY: tl.constexpr, trace_ptr, pid,
+                       TRACE: tl.constexpr):
     """`_moe_down_rows_kernel`'s loop on aq, sa (MoeLaunch.down_hoist) with the row's K expert
     ids, router weights and every scale loaded before it. Triton's pipeliner carries only the
     loads that feed tl.dot (weight and operand tiles, through cp.async); a scale, weight or id
@@ -537,7 +539,8 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
     weights and operand scales are in the buffers (valid memory) and are loaded before n_live
     arrives, but nothing addressed by an id is loaded and nothing is stored for it. The three
     loads are volatile: the compiler would otherwise sink them below the exit they do not feed
-    (sm_90 code: loaded after n_live's round trip again)."""
+    (sm_90 code: loaded after n_live's round trip again).
+    TRACE: the kernel's stamps (slot 1 here when EARLY: past this exit)."""
     K_PAD: tl.constexpr = triton.next_power_of_2(K)
     NB: tl.constexpr = triton.next_power_of_2((I + 127) // 128)  # down's K blocks, padded
     BN: tl.constexpr = h.shape[0]
@@ -555,6 +558,7 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
     if EARLY:  # the kernel exits padding rows before this point otherwise
         if r >= n_live:  # the ids above are not a live row's: no address from them
             return
+        stamp(trace_ptr, pid, 1, TRACE)
     sw_all = tl.load(ps_ptr + ids.to(tl.int64)[:, None, None] * stride_se
                      + (h // 128)[None, None, :] * stride_sn + bs[None, :, None] * stride_sk,
                      mask=bm[:, :, None] & hm[None, None, :], other=0.0)  # [K_PAD, NB, BN]
@@ -580,10 +584,12 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
                                                                             * sa[None, :])
         y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
         out = out + tl.sum(tl.where(sel, wts, 0.0), axis=0) * y
+        stamp_at(trace_ptr, pid, tl.minimum(2 + kk, 9), TRACE)
     if OUT_BF16:
         tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
     else:
         tl.store(out_ptr + r * stride_or + h, out, mask=hm)
+    stamp(trace_ptr, pid, 10, TRACE)
 
 
 @triton.jit
@@ -861,9 +867,9 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
         raise ValueError(f"MoeLaunch.down_block_n: {cfg.down_block_n} gives {tiles} hidden "
                          f"tiles at H {hidden}; the folded combine counts at most {MAX_TILES}")
     if trace is not None:
-        if not cfg.down_rows or cfg.down_hoist:
+        if not cfg.down_rows:
             raise ValueError("trace: stamps the row-major down's expert loop (MoeLaunch."
-                             "down_rows on, down_hoist off)")
+                             "down_rows on)")
         check_trace(trace, r * tiles, dev)
     return _Down(weights, ids, proj, proj_scale_inv, n, out, cfg, pdl, trace)
 
@@ -991,7 +997,7 @@ def moe_fp8(
     must be valid expert indices (checked by the router, not here: checking device values would
     need a host sync).
     pdl: programmatic dependent launch (kernels/launch.py).
-    trace (CUDA only, the row-major down of MoeLaunch.down_rows without down_hoist): per-program
+    trace (CUDA only, the row-major down of MoeLaunch.down_rows, hoisted or not): per-program
     timestamps of the down launch (`_moe_down_rows_kernel`'s slots); gate_up_trace (CUDA only):
     those of the gate/up launch (`_moe_gate_up_kernel`'s slots)."""
     check_tensor("x", x, dims=2, dtypes=(torch.bfloat16, torch.float16, torch.float32))

@@ -92,7 +92,7 @@ def test_refusals(tmp_path, capsys):
     assert "exists and is not a folder" in capsys.readouterr().err
 
 def test_variants_are_checked_before_any_gpu_work(capsys):
-    for bad, says in (("down_hoist=1", "unhoisted"), ("down_rows=0", "unhoisted"),
+    for bad, says in (("down_rows=0", "row-major loop (down_rows on)"),
                       ("down_stage=3", "is not FIELD=VALUE"),
                       ("down_stages=x", "takes an integer")):
         with pytest.raises(SystemExit) as e:
@@ -101,3 +101,7 @@ def test_variants_are_checked_before_any_gpu_work(capsys):
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             main(["--rows", "6"])
+        # the hoisted loop is stamped too: its variant passes the checks and meets the GPU's
+        with pytest.raises(SystemExit) as e:
+            main(["--rows", "6", "--variant", "down_hoist=1,down_stages=3"])
+        assert "needs a CUDA GPU" in f"{e.value.code}{capsys.readouterr().err}"

@@ -523,10 +523,11 @@ def test_hoisted_loads_read_what_they_must(device):
     assert not torch.equal(moe_fp8(*args[:2], ids, *args[3:], config=ahead)[:n].cpu()
                            .view(torch.int16), want), "ids ahead: the last id unread"
     with pytest.raises(ValueError, match="trace: stamps the row-major down"):
-        moe_fp8(*args, config=cfg, trace=torch.zeros(1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
-        moe_fp8(*args, config=dataclasses.replace(cfg, down_hoist=False),
-                trace=torch.zeros(8 * 4, 12, dtype=torch.int64))
+        moe_fp8(*args, config=dataclasses.replace(cfg, down_hoist=False, down_rows=False),
+                trace=torch.zeros(1, dtype=torch.int64))
+    for traced in (cfg, dataclasses.replace(cfg, down_hoist=False)):  # hoisted or not
+        with pytest.raises(ValueError, match="trace: kernel timestamps need the launch's CUDA"):
+            moe_fp8(*args, config=traced, trace=torch.zeros(8 * 4, 12, dtype=torch.int64))
     with pytest.raises(ValueError, match="down_hoist: .* needs down_rows on"):
         MoeLaunch(32, 64, 128, down_hoist=True)
     with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
@@ -813,7 +814,9 @@ for name, hoist, early, trace, stages, ahead in (
         ("aq_s4", False, False, False, 4, False), ("hoist_s3", True, False, False, 3, False),
         ("hoist_s4", True, False, False, 4, False),
         ("pinned", False, False, False, cfg.down_stages, cfg.down_ids_ahead),
-        ("ahead_s3_trace", False, False, True, 3, True)):
+        ("ahead_s3_trace", False, False, True, 3, True),
+        ("hoist_s3_trace", True, False, True, 3, False),
+        ("hoist_early_s3_trace", True, True, True, 3, False)):
     out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16", trace_ptr="*i64"),
@@ -895,6 +898,12 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("down_rows_trace", "gate_up_trace"):
         tr = got[name]
         assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0, name
+    # the hoisted down traced (exp_moe_timeline --variant down_hoist=1,down_stages=3): its
+    # stamps, and still no synchronous load in the loop and one expert's tiles in flight
+    for name in ("down_rows_hoist_s3_trace", "down_rows_hoist_early_s3_trace"):
+        tr = got[name]
+        assert tr["%globaltimer"] >= 4 and tr["loop_loads"] == 0, (name, tr)
+        assert tr["in_flight"] == got["down_rows_hoist_s3"]["in_flight"], (name, tr)
     assert all(g["%globaltimer"] == 0 for name, g in got.items() if not name.endswith("trace"))
 
 
@@ -973,17 +982,21 @@ def test_moe_tp8_moved_launches_give_the_separate_bits(n_live, moved, device):
 
 
 @pytest.mark.gpu
-def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(device):
-    """moe_fp8(trace=…, gate_up_trace=…) at the pinned TP8 launch: the untraced bits; per live
-    down program (row, hidden tile) its stamps in program order — start ≤ past the exit ≤
-    expert 0 ≤ … ≤ expert 7 ≤ stored — on its SM, padding rows' programs only their start; per
-    gate/up program of a routed expert's lead slot start ≤ exit ≤ each block ≤ stored."""
+@pytest.mark.parametrize("hoisted", [False, True], ids=["pinned", "down_hoist_s3"])
+def test_moe_tp8_traced_down_gives_the_same_bits_and_ordered_stamps(hoisted, device):
+    """moe_fp8(trace=…, gate_up_trace=…) at the pinned TP8 launch, and with the down's loop
+    hoisted at 3 stages (exp_moe_timeline's variant): the untraced bits; per live down program
+    (row, hidden tile) its stamps in program order — start ≤ past the exit ≤ expert 0 ≤ … ≤
+    expert 7 ≤ stored — on its SM, padding rows' programs only their start; per gate/up program
+    of a routed expert's lead slot start ≤ exit ≤ each block ≤ stored."""
     from kernels.timeline import SM_SLOT, new_trace
 
     n_live = 6
     case = Case("tp8-trace-6of8", **TP8, rows=8, n_live=n_live)
     d = to_dev(make_inputs(case, 660), device)
     cfg = moe_launch(3072, 192)
+    if hoisted:
+        cfg = dataclasses.replace(cfg, down_hoist=True, down_stages=3)
     args = (d.x, d.weights, d.ids, d.fc, d.fc_s, d.proj, d.proj_s, d.n)
     want = moe_fp8(*args, config=cfg)[:n_live].view(torch.int16).clone()
     tiles = -(-3072 // cfg.down_block_n)
