@@ -453,7 +453,7 @@ def _moe_down_rows_kernel(
     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     SILU: tl.constexpr, KS: tl.constexpr, OUT_BF16: tl.constexpr, HOIST: tl.constexpr,
     EARLY: tl.constexpr, IDS_AHEAD: tl.constexpr, trace_ptr, TRACE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, SCALES_AHEAD: tl.constexpr,
 ):
     """Launches 4 and 5 as one, row-major (MoeLaunch.down_rows): program (r, t) walks row r's
     K experts in k order, each one's down tile t, and sums w[r, k] · y_k in registers — the
@@ -467,6 +467,12 @@ def _moe_down_rows_kernel(
     loaded before the loop and picked by one-hot sums (exact), so no tile address in the loop
     waits for a load made in it and the pipeliner can keep the next expert's tiles in flight
     during this one's MMAs (with ≥ 3 stages; the scales stay synchronous loads).
+    SCALES_AHEAD (MoeLaunch.down_scales_ahead, with IDS_AHEAD, I ≤ 256): expert k + 1's weight
+    and operand scales and router weight are loaded during expert k and carried into the next
+    iteration (`_down_scales`), so no iteration waits for a load it issued — the pinned loop
+    waits for three in series (block 0's scales, block 1's, the router weight: sm_90 SASS) —
+    and nothing is picked out of a K-wide register tile (`_down_rows_hoisted`); the same loads
+    of the same values into the same operations: the same bits.
     TRACE (`moe_fp8(trace=…)`, hoisted or not): per program (r, t) at pid r·T + t, slot 0 its
     start (and its SM), 1 past the live-row exit, 2 + k after expert k's term is summed (slot 9:
     the last expert's when K > 8), 10 after its store (kernels/timeline.py)."""
@@ -494,6 +500,10 @@ def _moe_down_rows_kernel(
                            stride_wr, stride_wk, stride_or, I, K, OUT_BF16, EARLY,
                            trace_ptr, pid, TRACE)
         return
+    if SCALES_AHEAD:  # expert 0's, before the loop: [BN], [BR], [BN], [BR], scalar
+        sw0_n, sa0_n, sw1_n, sa1_n, wt_n = _down_scales(
+            ps_ptr, as_ptr, w_ptr, tl.sum(tl.where(ks == 0, ids, 0), axis=0), 0, r, h, hm,
+            mine, stride_se, stride_sn, stride_sk, stride_asr, stride_wr, stride_wk, K, I)
     # pinned order: k = 0, 1, …, K−1 (the combine's). Pipelined over k only with IDS_AHEAD and
     # ≥ 3 stages: with the id loaded here Triton single-buffers the tiles and waits for all of
     # them at the top of each iteration (tests/kernels/test_moe.py sm_90 facts, in_flight)
@@ -507,18 +517,66 @@ def _moe_down_rows_kernel(
         s_e = ps_ptr + e.to(tl.int64) * stride_se
         src = tl.where(mine, s, -1)  # [BR]
         acc = tl.zeros((BLOCK_N, BLOCK_R), dtype=tl.float32)
-        for i0 in tl.static_range(0, I, 128):
-            acc = _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, mine, w_e, s_e, h, hm,
-                              stride_aqr, stride_asr, stride_gj, stride_gs, stride_pn,
-                              stride_pk, stride_sn, stride_sk, I, KS, SILU)
+        if SCALES_AHEAD:
+            sw0, sa0, sw1, sa1, wt = sw0_n, sa0_n, sw1_n, sa1_n, wt_n
+            nxt = tl.minimum(kk + 1, K - 1)  # the last iteration loads its own again, unused
+            sw0_n, sa0_n, sw1_n, sa1_n, wt_n = _down_scales(
+                ps_ptr, as_ptr, w_ptr, tl.sum(tl.where(ks == nxt, ids, 0), axis=0), nxt, r,
+                h, hm, mine, stride_se, stride_sn, stride_sk, stride_asr, stride_wr, stride_wk,
+                K, I)
+            acc = _down_block_given(acc, 0, aq_ptr, src, mine, w_e, h, hm, sw0, sa0,
+                                    stride_aqr, stride_pn, stride_pk, I)
+            if I > 128:
+                acc = _down_block_given(acc, 128, aq_ptr, src, mine, w_e, h, hm, sw1, sa1,
+                                        stride_aqr, stride_pn, stride_pk, I)
+        else:
+            for i0 in tl.static_range(0, I, 128):
+                acc = _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, mine, w_e, s_e, h, hm,
+                                  stride_aqr, stride_asr, stride_gj, stride_gs, stride_pn,
+                                  stride_pk, stride_sn, stride_sk, I, KS, SILU)
         y = tl.sum(tl.where(mine[None, :], acc, 0.0), axis=1)  # [BN] column r: exact
-        out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
+        if SCALES_AHEAD:
+            out = out + wt * y
+        else:
+            out = out + tl.load(w_ptr + r * stride_wr + kk * stride_wk) * y
         stamp_at(trace_ptr, pid, tl.minimum(2 + kk, 9), TRACE)
     if OUT_BF16:
         tl.store(out_ptr + r * stride_or + h, bf16_rne(out), mask=hm)
     else:
         tl.store(out_ptr + r * stride_or + h, out, mask=hm)
     stamp(trace_ptr, pid, 10, TRACE)
+
+
+@triton.jit
+def _down_scales(ps_ptr, as_ptr, w_ptr, e, kk, r, h, hm, mine, stride_se, stride_sn, stride_sk,
+                 stride_asr, stride_wr, stride_wk, K: tl.constexpr, I: tl.constexpr):
+    """Expert kk of row r (id e): the loads `_down_block` makes for K blocks 0 and 1 (the weight
+    scales sw [BN], the operand scales sa [BR], column r only) and the router weight, at the
+    same addresses under the same masks → (sw0, sa0, sw1, sa1, w). I ≤ 128: block 1's are
+    block 0's again, unused."""
+    s_e = ps_ptr + e.to(tl.int64) * stride_se
+    src = tl.where(mine, r * K + kk, -1)  # [BR]
+    sw0 = tl.load(s_e + (h // 128) * stride_sn, mask=hm, other=0.0)
+    sa0 = tl.load(as_ptr + src * stride_asr, mask=mine, other=0.0)
+    if I > 128:
+        sw1 = tl.load(s_e + (h // 128) * stride_sn + stride_sk, mask=hm, other=0.0)
+        sa1 = tl.load(as_ptr + src * stride_asr + 1, mask=mine, other=0.0)
+    else:
+        sw1, sa1 = sw0, sa0
+    return sw0, sa0, sw1, sa1, tl.load(w_ptr + r * stride_wr + kk * stride_wk)
+
+
+@triton.jit
+def _down_block_given(acc, i0, aq_ptr, src, mine, w_e, h, hm, sw, sa, stride_aqr, stride_pn,
+                      stride_pk, I: tl.constexpr):
+    """`_down_block` on aq with its block's scales sw [BN], sa [BR] given (loaded ahead)."""
+    ii = i0 + tl.arange(0, 128)
+    im = ii < I
+    aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                 mask=im[:, None] & mine[None, :], other=0.0)
+    w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
+                mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+    return acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
 
 
 @triton.jit
@@ -863,6 +921,9 @@ def _down_call(weights, ids, proj, proj_scale_inv, n_live, inter, out, out_dtype
         raise ValueError(f"out: expected unit column stride, got strides {out.stride()}")
     cfg = config or moe_launch(hidden, inter, dev.type)
     tiles = triton.cdiv(hidden, cfg.down_block_n)
+    if cfg.down_scales_ahead and inter > 256:
+        raise ValueError(f"MoeLaunch.down_scales_ahead: carries two K blocks' scales, so the "
+                         f"intermediate size must be <= 256; proj has I = {inter}")
     if cfg.fold_combine and tiles > MAX_TILES:
         raise ValueError(f"MoeLaunch.down_block_n: {cfg.down_block_n} gives {tiles} hidden "
                          f"tiles at H {hidden}; the folded combine counts at most {MAX_TILES}")
@@ -933,7 +994,9 @@ def _down_rows(d: _Down, aq, sa, part) -> None:
         K=k, BLOCK_N=cfg.down_block_n, BLOCK_R=BLOCK_R, SILU=silu,
         KS=part.shape[0] if silu else 1, OUT_BF16=out.dtype == torch.bfloat16,
         HOIST=cfg.down_hoist, EARLY=cfg.early_loads,
-        IDS_AHEAD=cfg.down_ids_ahead and not cfg.down_hoist,  # hoisted: its ids are ahead
+        # hoisted: its ids are ahead; scales ahead: they need the ids ahead
+        IDS_AHEAD=(cfg.down_ids_ahead or cfg.down_scales_ahead) and not cfg.down_hoist,
+        SCALES_AHEAD=cfg.down_scales_ahead,
         trace_ptr=out if d.trace is None else d.trace, TRACE=d.trace is not None,
         num_warps=cfg.down_warps, num_stages=cfg.down_stages, **launch_opts(d.pdl),
     )

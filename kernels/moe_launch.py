@@ -46,6 +46,13 @@ class MoeLaunch:
     # one's MMAs (≥ 3 stages); the same bits. The slot-major down (down_rows off) and the
     # hoisted one (down_hoist) load their ids before their loops anyway: for them it is a no-op
     down_ids_ahead: bool = False
+    # down_rows' next expert's weight and operand scales and router weight loaded during this
+    # expert (kernels/moe.py _moe_down_rows_kernel SCALES_AHEAD, its ids ahead too), so no
+    # iteration waits for a load it issued — the pinned loop waits for three in series, one
+    # memory round trip each (sm_90 SASS), ≈ the 1.1–1.3 µs per expert the H200's stamps show
+    # (reports/benchmarks/h200-2026-12-07/) — without the hoist's K-wide register tiles; the
+    # same bits. Needs down_rows on aq, sa (not down_hoist, not silu_in_down) and I ≤ 256
+    down_scales_ahead: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits
     gate_up_hoist: bool = False
@@ -83,6 +90,11 @@ class MoeLaunch:
         if self.down_hoist and not (self.down_rows and not self.silu_in_down):
             raise ValueError("MoeLaunch.down_hoist: hoists the row-major down's loads; needs "
                              "down_rows on and silu_in_down off")
+        if self.down_scales_ahead and not (self.down_rows and not self.silu_in_down
+                                           and not self.down_hoist):
+            raise ValueError("MoeLaunch.down_scales_ahead: loads the row-major down's scales "
+                             "one expert ahead; needs down_rows on, silu_in_down and "
+                             "down_hoist off")
         if self.gate_up_compact and (self.fold_silu or self.early_loads):
             raise ValueError("MoeLaunch.gate_up_compact: the compact gate/up has its own "
                              "routing and no per-slot arrival; set fold_silu and early_loads "

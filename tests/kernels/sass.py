@@ -32,6 +32,7 @@ class Instr:
     text: str  # e.g. "@P6 LDGSTS.E.BYPASS.128 [R0+0x4000], desc[UR12][R58.64], P6"
     set_on_write: int  # scoreboard released when the result is written (NONE: none)
     wait_mask: int  # scoreboards (bit i = scoreboard i) this instruction waits for
+    addr: int = -1  # byte offset in the function
 
     @property
     def opcode(self) -> str:
@@ -51,7 +52,7 @@ def parse(sass: str) -> list[Instr]:
             break  # a second function begins
         high = int(_HIGH.match(lines[i + 1]).group(1), 16)
         ctrl = high >> 41
-        out.append(Instr(m.group(2), (ctrl >> 5) & 7, (ctrl >> 11) & 0x3F))
+        out.append(Instr(m.group(2), (ctrl >> 5) & 7, (ctrl >> 11) & 0x3F, int(m.group(1), 16)))
     return out
 
 
@@ -88,3 +89,33 @@ def round_trips_before_tiles(code: list[Instr]) -> int:
         if ins.opcode.startswith("LDG.") and ins.set_on_write != NONE:
             pending[ins.set_on_write] = max(pending.get(ins.set_on_write, 0), trips)
     raise ValueError("no cp.async tile load (LDGSTS) in this code")
+
+
+def loop_own_load_waits(code: list[Instr]) -> int:
+    """In the function's widest loop (a backward branch and the instructions from its target up
+    to it), the waits one pass makes for global loads (LDG) issued earlier in that same pass: each
+    is a memory round trip the pass spends in series with its work. A load whose value is carried
+    into the next pass is waited for there, before that pass issues it again, and does not count;
+    a scoreboard that another instruction sets in between no longer stands for the load. 0 when
+    the function has no loop."""
+    spans = [(int(ins.text.split()[-1], 16), ins.addr) for ins in code
+             if ins.opcode.startswith("BRA") and ins.text.split()[-1].startswith("0x")
+             and int(ins.text.split()[-1], 16) < ins.addr]
+    if not spans:
+        return 0
+    head, end = max(spans, key=lambda s: s[1] - s[0])
+    pending: set[int] = set()  # scoreboards of this pass's LDGs not yet waited for
+    waits = 0
+    for ins in code:
+        if not head <= ins.addr <= end:
+            continue
+        hit = {b for b in pending if ins.wait_mask >> b & 1}
+        if hit:
+            waits += 1
+            pending -= hit
+        if ins.set_on_write != NONE:
+            if ins.opcode.startswith("LDG.") or ins.opcode == "LDG":
+                pending.add(ins.set_on_write)
+            else:
+                pending.discard(ins.set_on_write)
+    return waits

@@ -415,11 +415,13 @@ HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
           {"early_loads": True, "down_hoist": True, "gate_up_hoist": True},
           {"early_loads": True, "down_rows": False},  # the slot-major down, loaded early
           # the row-major down pipelined over its experts (3 stages): ids ahead, or all hoisted
-          {"down_ids_ahead": True, "down_stages": 3}, {"down_hoist": True, "down_stages": 3})
+          {"down_ids_ahead": True, "down_stages": 3}, {"down_hoist": True, "down_stages": 3},
+          # its scales and router weight one expert ahead
+          {"down_scales_ahead": True, "down_stages": 3})
 # on the CPU (interpreter time): every moved load at least once, each kernel variant it touches
 # (gate/up and row-major down hoisted; routing early in gate/up, hoisted and slot-major down;
-# the row-major down's ids ahead)
-CPU_HOISTS = HOISTS[2], HOISTS[4], HOISTS[5], HOISTS[6]
+# the row-major down's ids ahead, its scales ahead)
+CPU_HOISTS = HOISTS[2], HOISTS[4], HOISTS[5], HOISTS[6], HOISTS[8]
 
 
 def hoist_label(h: dict) -> str:
@@ -532,6 +534,16 @@ def test_hoisted_loads_read_what_they_must(device):
         MoeLaunch(32, 64, 128, down_hoist=True)
     with pytest.raises(ValueError, match="down_hoist: .* silu_in_down off"):
         MoeLaunch(32, 64, 128, down_rows=True, silu_in_down=True, down_hoist=True)
+    for bad in (dict(), dict(down_rows=True, down_hoist=True),
+                dict(down_rows=True, silu_in_down=True)):
+        with pytest.raises(ValueError, match="down_scales_ahead: .* needs down_rows on, "
+                                             "silu_in_down and down_hoist off"):
+            MoeLaunch(32, 64, 128, down_scales_ahead=True, **bad)
+    wide = to_dev(make_inputs(Case("I384", 128, 4, 2, 384, 2, 2), 5), device)  # 3 K blocks
+    ahead = MoeLaunch(32, 64, 128, down_rows=True, down_scales_ahead=True)
+    with pytest.raises(ValueError, match="down_scales_ahead: .* <= 256; proj has I = 384"):
+        moe_fp8(wide.x, wide.weights, wide.ids, wide.fc, wide.fc_s, wide.proj, wide.proj_s,
+                wide.n, config=ahead)
 
 
 @pytest.mark.slow
@@ -731,7 +743,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels import moe
-from tests.kernels.sass import disassemble, round_trips_before_tiles
+from tests.kernels.sass import disassemble, loop_own_load_waits, round_trips_before_tiles
 from tests.kernels.sm90 import loop_facts
 
 def build(fn, sig, const, opts, div16):
@@ -746,8 +758,10 @@ def build(fn, sig, const, opts, div16):
     # synchronous loads inside a loop body and the cp.async groups its wait leaves in flight
     got["loop_loads"], got["in_flight"] = loop_facts(k.asm["ttgir"])
     got["smem"] = k.metadata.shared  # bytes of shared memory per program
-    if got["cp.async"]:  # global-load round trips before the first tile load (SASS)
-        got["trips"] = round_trips_before_tiles(disassemble(k.asm["cubin"]))
+    if got["cp.async"]:  # global-load round trips before the first tile load (SASS), and
+        # the waits a pass of the main loop makes for global loads it issued itself
+        code = disassemble(k.asm["cubin"])
+        got["trips"], got["own_waits"] = round_trips_before_tiles(code), loop_own_load_waits(code)
     return got
 
 tp8 = dict(H=3072, I=192, K=8, K_PAD=8, S_PAD=64, BLOCK_R=16, PDL=False)
@@ -802,7 +816,7 @@ for name, stages in (("down_rows", 2), ("down_rows_silu_pinned_stages", cfg.down
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
              stride_ik=1, SILU=True, KS=cfg.k_splits(3072), OUT_BF16=True, HOIST=False,
-             EARLY=False, IDS_AHEAD=cfg.down_ids_ahead, TRACE=False),
+             EARLY=False, IDS_AHEAD=cfg.down_ids_ahead, TRACE=False, SCALES_AHEAD=False),
         dict(num_warps=cfg.down_warps, num_stages=stages),
         ["ids_ptr", "proj_ptr", "ps_ptr", "gu_ptr", "w_ptr", "out_ptr", "stride_pe",
          "stride_pn", "stride_gj", "stride_gs", "stride_or"])
@@ -816,13 +830,15 @@ for name, hoist, early, trace, stages, ahead in (
         ("pinned", False, False, False, cfg.down_stages, cfg.down_ids_ahead),
         ("ahead_s3_trace", False, False, True, 3, True),
         ("hoist_s3_trace", True, False, True, 3, False),
-        ("hoist_early_s3_trace", True, True, True, 3, False)):
+        ("hoist_early_s3_trace", True, True, True, 3, False),
+        ("scales_ahead_s3", False, False, False, 3, "scales"),
+        ("scales_ahead_s3_trace", False, False, True, 3, "scales")):
     out[f"down_rows_{name}"] = build(moe._moe_down_rows_kernel,
         dict(aq_ptr=f8, as_ptr=f32, gu_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8,
              ps_ptr=f32, w_ptr=f32, out_ptr="*bf16", trace_ptr="*i64"),
         dict(H=3072, I=192, K=8, BLOCK_R=16, PDL=False, BLOCK_N=cfg.down_block_n, stride_pk=1,
              stride_ik=1, SILU=False, KS=1, OUT_BF16=True, HOIST=hoist, EARLY=early,
-             IDS_AHEAD=ahead, TRACE=trace),
+             IDS_AHEAD=bool(ahead), TRACE=trace, SCALES_AHEAD=ahead == "scales"),
         dict(num_warps=cfg.down_warps, num_stages=stages),
         ["aq_ptr", "ids_ptr", "proj_ptr", "ps_ptr", "w_ptr", "out_ptr", "stride_aqr",
          "stride_pe", "stride_pn", "stride_or"])
@@ -898,6 +914,16 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("down_rows_trace", "gate_up_trace"):
         tr = got[name]
         assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0, name
+    # a pass of the pinned down's expert loop waits for the scales and router weight it loads
+    # itself — block 0's after its first MMAs, then block 1's, then the router weight: round
+    # trips in series, ≈ the 1.1–1.3 µs per expert of the H200's stamps; hoisted, for none;
+    # with the scales one expert ahead (down_scales_ahead) only where the next expert's values
+    # are moved into the carried registers, after the pass's MMAs, and the same tiles in flight
+    pinned, ahead = got["down_rows_pinned"], got["down_rows_scales_ahead_s3"]
+    assert pinned["own_waits"] >= 3 and got["down_rows_hoist_s3"]["own_waits"] == 0, pinned
+    assert ahead["own_waits"] < pinned["own_waits"] and ahead["in_flight"] == pinned["in_flight"]
+    assert ahead["mma.sync"] > 0 and ahead["smem"] == pinned["smem"], ahead
+    assert got["down_rows_scales_ahead_s3_trace"]["%globaltimer"] >= 4
     # the hoisted down traced (exp_moe_timeline --variant down_hoist=1,down_stages=3): its
     # stamps, and still no synchronous load in the loop and one expert's tiles in flight
     for name in ("down_rows_hoist_s3_trace", "down_rows_hoist_early_s3_trace"):
