@@ -469,10 +469,10 @@ def _moe_down_rows_kernel(
     during this one's MMAs (with ≥ 3 stages; the scales stay synchronous loads).
     SCALES_AHEAD (MoeLaunch.down_scales_ahead, with IDS_AHEAD, I ≤ 256): expert k + 1's weight
     and operand scales and router weight are loaded during expert k and carried into the next
-    iteration (`_down_scales`), so no iteration waits for a load it issued — the pinned loop
-    waits for three in series (block 0's scales, block 1's, the router weight: sm_90 SASS) —
-    and nothing is picked out of a K-wide register tile (`_down_rows_hoisted`); the same loads
-    of the same values into the same operations: the same bits.
+    iteration (`_down_scales`): the pinned loop waits for three loads of its own in series
+    (block 0's scales, block 1's, the router weight: sm_90 SASS), this one for loads all issued
+    at its top; nothing is picked out of a K-wide register tile (`_down_rows_hoisted`). The
+    same loads of the same values into the same operations: the same bits.
     TRACE (`moe_fp8(trace=…)`, hoisted or not): per program (r, t) at pid r·T + t, slot 0 its
     start (and its SM), 1 past the live-row exit, 2 + k after expert k's term is summed (slot 9:
     the last expert's when K > 8), 10 after its store (kernels/timeline.py)."""

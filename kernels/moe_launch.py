@@ -47,11 +47,13 @@ class MoeLaunch:
     # hoisted one (down_hoist) load their ids before their loops anyway: for them it is a no-op
     down_ids_ahead: bool = False
     # down_rows' next expert's weight and operand scales and router weight loaded during this
-    # expert (kernels/moe.py _moe_down_rows_kernel SCALES_AHEAD, its ids ahead too), so no
-    # iteration waits for a load it issued — the pinned loop waits for three in series, one
-    # memory round trip each (sm_90 SASS), ≈ the 1.1–1.3 µs per expert the H200's stamps show
-    # (reports/benchmarks/h200-2026-12-07/) — without the hoist's K-wide register tiles; the
-    # same bits. Needs down_rows on aq, sa (not down_hoist, not silu_in_down) and I ≤ 256
+    # expert (kernels/moe.py _moe_down_rows_kernel SCALES_AHEAD, its ids ahead too): a pass of
+    # the pinned loop waits for loads it issued itself 6 times, three round trips in series
+    # (sm_90 SASS), ≈ the 1.1–1.3 µs per expert the H200's stamps show
+    # (reports/benchmarks/h200-2026-12-07/); ahead, 3 times for loads all issued at the pass's
+    # top (a tile read sharing their scoreboard mid-pass, the carried registers' refill at its
+    # end) — without the hoist's K-wide register tiles; the same bits. Needs down_rows on aq,
+    # sa (not down_hoist, not silu_in_down) and I ≤ 256
     down_scales_ahead: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
     # (kernels/moe.py _gate_up_loop HOIST): the same bits

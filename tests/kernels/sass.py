@@ -95,9 +95,10 @@ def loop_own_load_waits(code: list[Instr]) -> int:
     """In the function's widest loop (a backward branch and the instructions from its target up
     to it), the waits one pass makes for global loads (LDG) issued earlier in that same pass: each
     is a memory round trip the pass spends in series with its work. A load whose value is carried
-    into the next pass is waited for there, before that pass issues it again, and does not count;
-    a scoreboard that another instruction sets in between no longer stands for the load. 0 when
-    the function has no loop."""
+    into the next pass is waited for there, before that pass issues it again, and does not count.
+    A scoreboard counts every operation that set it: a later wait on it — for a shared-memory
+    load that reuses it, say — waits for the global load too, and counts. 0 when the function has
+    no loop."""
     spans = [(int(ins.text.split()[-1], 16), ins.addr) for ins in code
              if ins.opcode.startswith("BRA") and ins.text.split()[-1].startswith("0x")
              and int(ins.text.split()[-1], 16) < ins.addr]
@@ -113,9 +114,6 @@ def loop_own_load_waits(code: list[Instr]) -> int:
         if hit:
             waits += 1
             pending -= hit
-        if ins.set_on_write != NONE:
-            if ins.opcode.startswith("LDG.") or ins.opcode == "LDG":
-                pending.add(ins.set_on_write)
-            else:
-                pending.discard(ins.set_on_write)
+        if ins.set_on_write != NONE and (ins.opcode.startswith("LDG.") or ins.opcode == "LDG"):
+            pending.add(ins.set_on_write)
     return waits

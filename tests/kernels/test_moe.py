@@ -914,11 +914,12 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("down_rows_trace", "gate_up_trace"):
         tr = got[name]
         assert tr["%globaltimer"] >= 4 and tr["cp.async"] > 0 and tr["mma.sync"] > 0, name
-    # a pass of the pinned down's expert loop waits for the scales and router weight it loads
-    # itself — block 0's after its first MMAs, then block 1's, then the router weight: round
-    # trips in series, ≈ the 1.1–1.3 µs per expert of the H200's stamps; hoisted, for none;
-    # with the scales one expert ahead (down_scales_ahead) only where the next expert's values
-    # are moved into the carried registers, after the pass's MMAs, and the same tiles in flight
+    # a pass of the pinned down's expert loop waits 6 times for the scales and router weight it
+    # loads itself — block 0's after its first MMAs, then block 1's, then the router weight:
+    # round trips in series, ≈ the 1.1–1.3 µs per expert of the H200's stamps; hoisted, never;
+    # with the scales one expert ahead (down_scales_ahead) 3 times, all for loads issued at the
+    # pass's top: once where a tile read (LDSM) shares their scoreboard, mid-pass, and where the
+    # carried registers are refilled, at its end; the same tiles in flight
     pinned, ahead = got["down_rows_pinned"], got["down_rows_scales_ahead_s3"]
     assert pinned["own_waits"] >= 3 and got["down_rows_hoist_s3"]["own_waits"] == 0, pinned
     assert ahead["own_waits"] < pinned["own_waits"] and ahead["in_flight"] == pinned["in_flight"]

@@ -21,17 +21,17 @@ def test_a_pass_waiting_for_its_own_loads_counts_each_wait():
     assert loop_own_load_waits(code) == 2
 
 
-def test_loads_carried_into_the_next_pass_and_reused_scoreboards_do_not_count():
+def test_loads_carried_into_the_next_pass_do_not_count_and_shared_scoreboards_do():
     carried = _code(("FMUL R9, R4, R4", NONE, 0b000100),  # 0x10, the head: last pass's load
                     ("HMMA.16816.F32 R8, R10, R12, R8", NONE, 0),
                     ("LDG.E R4, desc[UR4][R2.64]", 2, 0),  # for the next pass
                     ("@P0 BRA 0x10", NONE, 0))
     assert loop_own_load_waits(carried) == 0
-    reused = _code(("LDG.E R4, desc[UR4][R2.64]", 2, 0),
-                   ("LDSM.16.M88.4 R8, [R3]", 2, 0),  # scoreboard 2 now stands for the LDSM
-                   ("F2FP.F16.E4M3.UNPACK_B R20, R8", NONE, 0b000100),
+    shared = _code(("LDG.E R4, desc[UR4][R2.64]", 2, 0),
+                   ("LDSM.16.M88.4 R8, [R3]", 2, 0),  # the same scoreboard
+                   ("F2FP.F16.E4M3.UNPACK_B R20, R8", NONE, 0b000100),  # waits for both
                    ("@P0 BRA 0x10", NONE, 0))
-    assert loop_own_load_waits(reused) == 0
+    assert loop_own_load_waits(shared) == 1
     tiles = _code(("LDGSTS.E.BYPASS.128 [R47], desc[UR16][R24.64]", NONE, 0),  # cp.async
                   ("DEPBAR.LE SB0, 0x4", NONE, 0), ("@P0 BRA 0x10", NONE, 0))
     assert loop_own_load_waits(tiles) == 0
