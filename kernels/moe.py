@@ -416,13 +416,26 @@ def _down_block(acc, i0, aq_ptr, as_ptr, gu_ptr, src, uses, w_e, s_e, h, hm,
     if SILU:
         aq, sa = _silu_cols(gu_ptr, src, uses, ii, im, stride_gj, stride_gs, I, KS)
     else:
-        aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                     mask=im[:, None] & uses[None, :], other=0.0)
+        aq = _down_operand(aq_ptr, src, uses, ii, im, stride_aqr)
         sa = tl.load(as_ptr + src * stride_asr + i0 // 128, mask=uses, other=0.0)
-    w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
-                mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+    w = _down_weight(w_e, h, hm, ii, im, stride_pn, stride_pk)
     sw = tl.load(s_e + (h // 128) * stride_sn + (i0 // 128) * stride_sk, mask=hm, other=0.0)
     return acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
+
+
+@triton.jit
+def _down_operand(aq_ptr, src, uses, ii, im, stride_aqr):
+    """The MMA's narrow side for K block ii: column r holds slot src[r]'s E4M3 intermediate
+    (rows with uses[r]), 0 elsewhere → [128, BR]."""
+    return tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
+                   mask=im[:, None] & uses[None, :], other=0.0)
+
+
+@triton.jit
+def _down_weight(w_e, h, hm, ii, im, stride_pn, stride_pk):
+    """Expert w_e's down weight tile, hidden channels h × K block ii → [BN, 128] E4M3."""
+    return tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
+                   mask=hm[:, None] & im[None, :], other=0.0)
 
 
 @triton.jit
@@ -572,10 +585,8 @@ def _down_block_given(acc, i0, aq_ptr, src, mine, w_e, h, hm, sw, sa, stride_aqr
     """`_down_block` on aq with its block's scales sw [BN], sa [BR] given (loaded ahead)."""
     ii = i0 + tl.arange(0, 128)
     im = ii < I
-    aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                 mask=im[:, None] & mine[None, :], other=0.0)
-    w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
-                mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+    aq = _down_operand(aq_ptr, src, mine, ii, im, stride_aqr)
+    w = _down_weight(w_e, h, hm, ii, im, stride_pn, stride_pk)
     return acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None] * sa[None, :])
 
 
@@ -632,10 +643,8 @@ def _down_rows_hoisted(r, n_live, h, hm, mine, aq_ptr, as_ptr, ids_ptr, proj_ptr
             if b * 128 < I:
                 ii = b * 128 + tl.arange(0, 128)
                 im = ii < I
-                aq = tl.load(aq_ptr + src[None, :] * stride_aqr + ii[:, None],
-                             mask=im[:, None] & mine[None, :], other=0.0)  # [128, BR] E4M3
-                w = tl.load(w_e + h[:, None] * stride_pn + ii[None, :] * stride_pk,
-                            mask=hm[:, None] & im[None, :], other=0.0)  # [BN, 128] E4M3
+                aq = _down_operand(aq_ptr, src, mine, ii, im, stride_aqr)  # [128, BR] E4M3
+                w = _down_weight(w_e, h, hm, ii, im, stride_pn, stride_pk)  # [BN, 128] E4M3
                 sw = tl.sum(tl.where((bs == b)[:, None], sw_k, 0.0), axis=0)  # [BN]
                 sa = tl.where(mine, tl.sum(tl.where(bs == b, sa_k, 0.0), axis=0), 0.0)  # [BR]
                 acc = acc + tl.dot(w.to(tl.float16), aq.to(tl.float16)) * (sw[:, None]
