@@ -116,9 +116,11 @@ def _build() -> argparse.ArgumentParser:
     g.add_argument("--loop", choices=("host", "device"), default="host",
                    help="runtime with --graphs: 'device' loops rounds in a WHILE graph node on "
                         "the GPU (no host round trip between rounds)")
-    g.add_argument("--pdl", action="store_true",
-                   help="runtime with compiled kernels on a Hopper GPU: programmatic dependent "
-                        "launch (kernels/launch.py; ~1 %% faster rounds, the same bits)")
+    g.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=None,
+                   help="runtime: programmatic dependent launch of the compiled kernels "
+                        "(kernels/launch.py; ~1 %% faster rounds, the same bits). Default: on "
+                        "where it can run (a Hopper or newer GPU), off elsewhere; --pdl "
+                        "requires it, --no-pdl turns it off")
     g.add_argument("--tp", type=int, default=1,
                    help="runtime: tensor-parallel ranks; start under torchrun with as many "
                         "processes (`torchrun --nproc-per-node N -m iquestrt.cli generate --tp "

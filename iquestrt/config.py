@@ -24,6 +24,15 @@ class RuntimeConfigError(ValueError):
     """A runtime setting is out of range or does not fit the model; the message names it."""
 
 
+def pdl_available(ops: str, device: str) -> bool:
+    """Whether programmatic dependent launch can run: compiled kernels ('kernels' ops on a CUDA
+    device that is visible) on compute capability >= 9.0 (kernels/launch.py check_pdl)."""
+    dev = torch.device(device)
+    if ops != "kernels" or dev.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(dev)[0] >= 9
+
+
 def _require(cond: bool, field: str, msg: str) -> None:
     if not cond:
         raise RuntimeConfigError(f"RuntimeConfig.{field}: {msg}")
@@ -49,8 +58,10 @@ class RuntimeConfig:
     tp_reduce: str = "gather"  # tensor parallelism: "gather" all-gathers the partials; "peer":
     # the tails read every rank's ring slot directly (iquestrt/tp/peer_ring.py; kernels ops)
     peer_max_polls: int = 1 << 24  # a tail's polls for peers' slots (ranks may lag: generous)
-    pdl: bool = False  # launch the kernels with programmatic dependent launch (kernels/launch.py;
-    # compiled kernels on a CUDA device of compute capability >= 9.0)
+    pdl: bool | None = None  # launch the kernels with programmatic dependent launch
+    # (kernels/launch.py; compiled kernels on a CUDA device of compute capability >= 9.0).
+    # None: on exactly where it can be (ops 'kernels' on such a device), else off; resolved to a
+    # bool at construction, so a built config always says what runs
 
     def __post_init__(self) -> None:
         _require(self.ops in OPS_BACKENDS, "ops", f"choose one of {OPS_BACKENDS}, got {self.ops!r}")
@@ -98,7 +109,10 @@ class RuntimeConfig:
             "peer_max_polls",
             f"must be an int in [1, 2^31), got {self.peer_max_polls!r}",
         )
-        _require(isinstance(self.pdl, bool), "pdl", f"must be a bool, got {self.pdl!r}")
+        _require(self.pdl is None or isinstance(self.pdl, bool), "pdl",
+                 f"must be a bool or None (on where available), got {self.pdl!r}")
+        if self.pdl is None:  # frozen: the resolved value replaces the request
+            object.__setattr__(self, "pdl", pdl_available(self.ops, self.device))
         _require(not self.pdl or (self.ops == "kernels"
                                   and torch.device(self.device).type == "cuda"), "pdl",
                  f"programmatic dependent launch needs ops='kernels' on a CUDA device, got "

@@ -23,7 +23,8 @@ class EngineOptions:
     ops: str = "auto"  # runtime: "kernels" | "twins" | "auto" (kernels on a GPU, twins on a CPU)
     graphs: bool | None = None  # runtime: one CUDA graph per round; None = with kernels on a GPU
     loop: str = "host"  # runtime with graphs: "device" loops rounds in a WHILE node
-    pdl: bool = False  # runtime, compiled kernels on Hopper: programmatic dependent launch
+    pdl: bool | None = None  # runtime: programmatic dependent launch; None = on where it can
+    # run (compiled kernels on a Hopper or newer GPU), True = required (an error elsewhere)
     ring_pad: int = 64  # runtime: ring slots beyond each window
     draft_depth: int | str = 3  # fixed 0 … 7 (0: no speculation) or "adaptive"
     precision: str | None = None  # reference: "fp32" | "bf16" (default) | "matched"
@@ -53,7 +54,7 @@ class EngineOptions:
                              f"{self.stream_timeout_s}")
         if self.backend == "reference":
             changed = [f for f, off in (("graphs", self.graphs in (None, False)),
-                                        ("pdl", self.pdl is False), ("tp", self.tp == 1),
+                                        ("pdl", self.pdl is not True), ("tp", self.tp == 1),
                                         ("loop", self.loop == "host")) if not off]
             if changed:
                 raise ValueError(f"EngineOptions.{changed[0]}: applies to backend 'runtime' "

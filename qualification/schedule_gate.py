@@ -51,6 +51,7 @@ def _signature(ckpt, policy, over: dict, watch: str | None, req: GenerationReque
     from iquestrt.engine import Engine
     from iquestrt.snapshot import caches_digest
 
+    over = {"pdl": False, **over}  # the plain variants without PDL (its default is on)
     rcfg = RuntimeConfig(ops="kernels", device="cuda", ring_pad=mini_engine.RING_PAD,
                          max_positions=512, policy=policy, **over)
     eng = Engine.from_checkpoint(ckpt.directory, rcfg)

@@ -151,6 +151,8 @@ def test_bad_requests_are_refused_before_running(llm, prompt, kw, message):
     ({"backend": "reference", "graphs": True}, "EngineOptions.graphs: applies to backend "
      "'runtime' only"),
     ({"precision": "fp32"}, "EngineOptions.precision: applies to backend 'reference' only"),
+    ({"backend": "reference", "pdl": True}, "EngineOptions.pdl: applies to backend 'runtime' "
+     "only"),
     ({"max_model_len": 1}, "EngineOptions.max_model_len: must be an integer >= 2, got 1"),
 ])
 def test_bad_engine_options_name_the_field(kw, message):

@@ -394,6 +394,8 @@ def test_cli_runtime_backend_equals_reference_matched(corr, capsys):
     (["--precision", "bf16"], "--precision: applies to backend 'reference' only"),
     (["--temperature", "1", "--top-k", "0"], "top_k=0: the runtime's sampler serves"),
     (["--ring-pad", "3"], "ring_pad: must be in [max_width - 1 = 7, 4096]"),
+    (["--pdl"], "--pdl: programmatic dependent launch needs the compiled kernels on "
+     "a GPU (ops twins"),
 ])
 def test_cli_runtime_errors(corr, capsys, extra, message):
     from iquestrt.cli import main

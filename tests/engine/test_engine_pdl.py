@@ -23,7 +23,7 @@ PROMPT = (490, 290, 263, 434, 1085, 337)
 ADAPTIVE = AdaptiveDepth(weights=((0.0, 0.0, 1.0, 0.0, 0.0, 0.0),) * 4, threshold=0.5)
 
 
-def _run(req, **kw):
+def _run(req, **kw):  # pdl given: its default is on where it can run
     rc = RuntimeConfig(ops="kernels", device="cuda", ring_pad=8, max_positions=512, **kw)
     eng = Engine.from_checkpoint(MINI, rc)
     res = eng.generate(req)
@@ -39,7 +39,7 @@ def _run(req, **kw):
 @pytest.mark.parametrize("sampling", [SAMPLING, GREEDY], ids=["sampling", "greedy"])
 def test_pdl_changes_no_bit(mode, sampling):
     req = GenerationRequest(PROMPT, 48, sampling, 11)
-    off = _run(req, **mode)
+    off = _run(req, pdl=False, **mode)
     on = _run(req, pdl=True, **mode)
     assert on[0] == off[0]
     assert on[1] == off[1]

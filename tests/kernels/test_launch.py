@@ -150,10 +150,32 @@ def test_runtime_config_and_ops_refuse_pdl_off_the_gpu_kernels():
         RuntimeConfig(ops="twins", device="cuda", pdl=True)
     with pytest.raises(RuntimeConfigError, match="must be a bool"):
         RuntimeConfig(pdl=1)
+    with pytest.raises(RuntimeConfigError, match="must be a bool or None"):
+        RuntimeConfig(pdl="on")
     with pytest.raises(ValueError, match="pdl .* needs the 'kernels' backend"):
         make_ops("twins", "cpu", 8, pdl=True)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_ops("kernels", "cpu", 8, pdl=True)
+
+
+@pytest.mark.parametrize("ops, device, cuda, capability, want", [
+    ("kernels", "cuda", True, (9, 0), True),
+    ("kernels", "cuda", True, (10, 0), True),
+    ("kernels", "cuda", True, (8, 9), False),  # Ada: no griddepcontrol
+    ("kernels", "cuda", False, (9, 0), False),  # no CUDA device visible
+    ("kernels", "cpu", True, (9, 0), False),  # the interpreter
+    ("twins", "cuda", True, (9, 0), False),
+])
+def test_pdl_defaults_to_on_exactly_where_it_can_run(monkeypatch, ops, device, cuda, capability,
+                                                     want):
+    """RuntimeConfig.pdl None resolves at construction: on for compiled kernels on compute
+    capability >= 9.0, off elsewhere; an explicit value is kept."""
+    from iquestrt.config import RuntimeConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capability)
+    assert RuntimeConfig(ops=ops, device=device).pdl is want
+    assert RuntimeConfig(ops=ops, device=device, pdl=False).pdl is False
 
 
 _SM90 = r"""
