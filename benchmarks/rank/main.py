@@ -59,9 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "target's reductions go through a real peer-memory ring over the N GPUs "
                         "plus 8 − N emulated ranks; rank 0 writes the record")
     p.add_argument("--pdl", default=d.pdl,
-                   help="programmatic dependent launch of the kernels (kernels/launch.py): off, "
-                        "on, or ab (each configuration both ways, the runs alternating; rows "
-                        "'+pdl' and their ratio)")
+                   help="programmatic dependent launch of the kernels (kernels/launch.py): auto "
+                        "(the runtime's default: on where it can run), off, on, or ab (each "
+                        "configuration both ways, the runs alternating; rows '+pdl' and their "
+                        "ratio)")
     p.add_argument("--launch", action="append", default=[], metavar="OVERRIDES",
                    help="a variant with the kernels' launch configurations overridden, run "
                         "beside each configuration (alternating; rows '<policy>+OVERRIDES' and "

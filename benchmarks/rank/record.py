@@ -89,7 +89,9 @@ def markdown(rec: dict) -> str:
                 if env.get("source_digest") else "")
              + f", torch {env['torch']}, Triton {env['triton']}. Command: `{rec['command']}`. "
              f"Copy bandwidth measured in this run: {rec['bandwidth'] / 1e12:.3f} TB/s. "
-             f"Wall time {rec['wall_s']:.0f} s; peak allocated "
+             + (f"Control launches {'with' if rec['rig']['pdl'] else 'without'} programmatic "
+                f"dependent launch (--pdl {spec['pdl']}). " if "pdl" in rec.get("rig", {}) else "")
+             + f"Wall time {rec['wall_s']:.0f} s; peak allocated "
              f"{rec['peak_allocated_bytes'] / 1e9:.1f} GB.", "", "## Targets", ""]
     h, g, sp = s["headline"], s["growth"], s["speedup"]
     lines.append(f"- round ÷ floor at 1K, width {spec['headline_width']}: "

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 CONTEXTS = {"1K": 1024, "4K": 4096, "16K": 16384, "64K": 65536, "128K": 131072, "192K": 196608}
 WIDTHS = (4, 5, 6, 7, 8)
 BASELINES = ("all", "eager", "compile", "none")
-PDL_MODES = ("off", "on", "ab")  # ab: every configuration with and without, runs alternating
+PDL_MODES = ("auto", "off", "on", "ab")  # auto: as the runtime (on where it can run); ab: every
+# configuration with and without, runs alternating
 # how the tails read the partials (benchmarks/rank/ops.py); "ring": --tp N only
 REDUCES = ("stacked", "table", "ring")
 
@@ -35,7 +36,8 @@ class SweepSpec:
     seed: int = 0
     headline_width: int = 6
     reduce: str = "stacked"  # "ring" with tp > 1 (benchmarks/rank/tp.py)
-    pdl: str = "off"  # "on": kernels with programmatic dependent launch; "ab": both, side by side
+    pdl: str = "auto"  # "on": kernels with programmatic dependent launch; "auto": as the runtime's
+    # default (on with compiled kernels on compute capability >= 9.0); "ab": both, side by side
     tp: int = 1  # processes under torchrun, one GPU each
     # launch-override variants (iquestrt/launch_overrides.py text form), each run beside the
     # control on the same weights, alternating: rows "<policy>+<overrides>"

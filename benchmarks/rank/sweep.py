@@ -35,7 +35,7 @@ from benchmarks.rank.traces import (
 )
 from benchmarks.rank.weights import random_weights, weight_bytes
 from iquestrt import outputs
-from iquestrt.config import KERNEL_WIDTH, RuntimeConfig
+from iquestrt.config import KERNEL_WIDTH, RuntimeConfig, pdl_available
 from iquestrt.launch_overrides import LaunchOverrides
 from iquestrt.tp.group import TPGroup
 from reference.config import ModelConfig, layer_pattern
@@ -156,11 +156,17 @@ class Rig:
         return torch.device(self.device).type == "cuda"
 
 
-def variants(spec: SweepSpec) -> list[tuple[str, bool, LaunchOverrides]]:
+def control_pdl(spec: SweepSpec, available: bool) -> bool:
+    """The control's RuntimeConfig.pdl: --pdl on; auto where PDL can run (`available`)."""
+    return spec.pdl == "on" or (spec.pdl == "auto" and available)
+
+
+def variants(spec: SweepSpec, available: bool) -> list[tuple[str, bool, LaunchOverrides]]:
     """(row-name suffix, RuntimeConfig.pdl, launch overrides) of each variant every configuration
-    runs in: the control first ("": --pdl off/on, the pinned launches), then "+pdl" (--pdl ab)
-    and "+<overrides>" per --launch (PDL as the control's)."""
-    pdl = spec.pdl == "on"
+    runs in: the control first ("": --pdl off/on/auto, the pinned launches), then "+pdl" (--pdl
+    ab) and "+<overrides>" per --launch (PDL as the control's). available: whether PDL can run
+    on the rig (iquestrt.config.pdl_available)."""
+    pdl = control_pdl(spec, available)
     out = [("", pdl, LaunchOverrides())]
     if spec.pdl == "ab":
         out.append(("+pdl", True, LaunchOverrides()))
@@ -262,7 +268,8 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
     depths = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
     if spec.adaptive:
         depths.append(("adaptive", default_adaptive()))
-    group_vars = variants(spec)
+    pdl_on = control_pdl(spec, pdl_available(rig.ops, rig.device))
+    group_vars = variants(spec, pdl_available(rig.ops, rig.device))
     policies = [(name + suffix, pol, pdl, o) for name, pol in depths
                 for suffix, pdl, o in group_vars]  # a configuration's variants adjacent
     engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl, tp, o)
@@ -295,7 +302,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
         say(f"eager launches (no graph) at {names[contexts[0]]} {head}")
         try:
             eng = make_engine(rig, weights, table, FixedDepth(spec.headline_width - 1), False,
-                              spec, cap, pdl=spec.pdl == "on", tp=tp)
+                              spec, cap, pdl=pdl_on, tp=tp)
             eager = run_config(eng, dataclasses.replace(spec, rounds=min(spec.rounds, 12)),
                                contexts[0], False, bw)
             say(f"eager: {eager['round_s'] * 1e3:.2f} ms/round")
@@ -314,7 +321,7 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
     lead = group is None or group.rank == 0
     baseline = run_baseline(spec, cfg, table, contexts[0], say) if rig.cuda and lead else None
     record = {"spec": dataclasses.asdict(spec), "command": command, "bandwidth": bw,
-              "rig": {"config": cfg.name, "device": rig.device, "ops": rig.ops},
+              "rig": {"config": cfg.name, "device": rig.device, "ops": rig.ops, "pdl": pdl_on},
               "routing": trace_stats, "configs": results, "eager": eager, "baseline": baseline,
               "peak_allocated_bytes": peak,
               "peak_allocated_bytes_with_baseline":

@@ -64,7 +64,7 @@ def test_random_weights_have_the_loader_shapes_and_finite_values():
     (["--tp", "2", "--reduce", "table"], "--reduce table with --tp 2: 'ring' is the real ring"),
     (["--tp", "9"], "--tp: 9; must be an integer in 1..8"),
     (["--tp", "2"], "--tp 2: 1 processes (WORLD_SIZE); start it as torchrun --nproc-per-node 2"),
-    (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['off', 'on', 'ab']"),
+    (["--pdl", "yes"], "--pdl: 'yes'; choose one of ['auto', 'off', 'on', 'ab']"),
     (["--launch", "moe.nope=1"], "--launch 'moe.nope=1': launch override moe.nope: unknown field"),
     (["--launch", "sampler.tile=3000"], "SamplerLaunch.tile: power of two >= 16, got 3000"),
     (["--launch", "gpu.tile=1"],
@@ -143,6 +143,10 @@ def test_targets_are_judged_against_the_issue():
     s = summarize(_record(3.1e-3, 3.1e-3 + 1.2 * kv_s * 1.01, 15e-3))
     assert not s["headline"]["ok"] and not s["growth"]["ok"] and not s["speedup"]["ok"]
     assert "not met" in markdown(_record(3.1e-3, 4e-3, 1e-3))
+    rec = _record(3e-3, 4e-3, 1e-3)
+    assert "programmatic dependent launch" not in markdown(rec)  # records from before the field
+    rec["rig"], rec["spec"]["pdl"] = {"pdl": True}, "auto"
+    assert "Control launches with programmatic dependent launch (--pdl auto)." in markdown(rec)
 
 
 def test_a_failed_configuration_fails_the_run(tmp_path, capsys, monkeypatch):
@@ -173,12 +177,19 @@ def test_variants_alternate_and_pair_rows():
     assert run_order(names, 2, 1) == ["W4+pdl", "W4", "W6+pdl", "W6"]
     assert run_order(["W4", "W6"], 1, 1) == ["W4", "W6"]
     assert run_order(["a", "b", "c"], 3, 1) == ["c", "b", "a"]
-    got = variants(SweepSpec(pdl="ab", launch=("moe.down_rows=1,sampler.tile=2048",)))
+    got = variants(SweepSpec(pdl="ab", launch=("moe.down_rows=1,sampler.tile=2048",)), True)
     assert [(s, p, o.label()) for s, p, o in got] == [
         ("", False, ""), ("+pdl", True, ""),
         ("+moe.down_rows=1,sampler.tile=2048", False, "moe.down_rows=1,sampler.tile=2048")]
-    assert [(s, p) for s, p, _ in variants(SweepSpec(pdl="on", launch=("tails.unroll_k=1",)))
-            ] == [("", True), ("+tails.unroll_k=1", True)]
+    assert [(s, p) for s, p, _ in variants(SweepSpec(pdl="on", launch=("tails.unroll_k=1",)),
+                                           False)] == [("", True), ("+tails.unroll_k=1", True)]
+    # the default follows the runtime: PDL wherever it can run, off elsewhere
+    assert SweepSpec().pdl == "auto"
+    for available in (True, False):
+        assert [(s, p) for s, p, _ in variants(SweepSpec(launch=("tails.unroll_k=1",)),
+                                               available)] == [("", available),
+                                                               ("+tails.unroll_k=1", available)]
+        assert [p for _, p, _ in variants(SweepSpec(pdl="off"), available)] == [False]
     brk = {"breakdown": {"launches": 1161}}
     rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010, **brk},
             {"context_name": "1K", "policy": "W6+pdl", "round_s": 0.009},
