@@ -24,7 +24,8 @@ class EngineOptions:
     graphs: bool | None = None  # runtime: one CUDA graph per round; None = with kernels on a GPU
     loop: str = "host"  # runtime with graphs: "device" loops rounds in a WHILE node
     pdl: bool | None = None  # runtime: programmatic dependent launch; None = on where it can
-    # run (compiled kernels on a Hopper or newer GPU), True = required (an error elsewhere)
+    # run (compiled kernels on a Hopper or newer GPU, one rank: the TP ranks' peer reads have not
+    # run under PDL on GPUs yet), True = required (an error elsewhere)
     ring_pad: int = 64  # runtime: ring slots beyond each window
     draft_depth: int | str = 3  # fixed 0 … 7 (0: no speculation) or "adaptive"
     precision: str | None = None  # reference: "fp32" | "bf16" (default) | "matched"
@@ -133,7 +134,8 @@ class RuntimeBackend:
                                  t.max_position_embeddings - KERNEL_WIDTH)  # a round's rows
         rcfg = RuntimeConfig(ops=ops, device="cuda" if gpu else "cpu", ring_pad=o.ring_pad,
                              max_positions=self.max_model_len + KERNEL_WIDTH, policy=policy,
-                             graphs=graphs, loop=o.loop, tp_reduce=o.tp_reduce, pdl=o.pdl)
+                             graphs=graphs, loop=o.loop, tp_reduce=o.tp_reduce,
+                             pdl=o.pdl if o.pdl is not None or o.tp == 1 else False)
         self.tp = o.tp
         if o.tp == 1:  # a rank of a TP group holds a share: each rank's own check is its load
             _check_memory(ckpt, rcfg, self.max_model_len)

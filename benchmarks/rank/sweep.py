@@ -157,8 +157,9 @@ class Rig:
 
 
 def control_pdl(spec: SweepSpec, available: bool) -> bool:
-    """The control's RuntimeConfig.pdl: --pdl on; auto where PDL can run (`available`)."""
-    return spec.pdl == "on" or (spec.pdl == "auto" and available)
+    """The control's RuntimeConfig.pdl: --pdl on; auto where PDL can run (`available`) on one
+    process (as the runtime: the peer ring's reads have not run under PDL on GPUs yet)."""
+    return spec.pdl == "on" or (spec.pdl == "auto" and available and spec.tp == 1)
 
 
 def variants(spec: SweepSpec, available: bool) -> list[tuple[str, bool, LaunchOverrides]]:
@@ -268,8 +269,9 @@ def run_sweep(spec: SweepSpec, out_dir: Path, command: str, rig: Rig | None = No
     depths = [(f"W{w}", FixedDepth(w - 1)) for w in spec.widths]
     if spec.adaptive:
         depths.append(("adaptive", default_adaptive()))
-    pdl_on = control_pdl(spec, pdl_available(rig.ops, rig.device))
-    group_vars = variants(spec, pdl_available(rig.ops, rig.device))
+    available = pdl_available(rig.ops, rig.device)
+    pdl_on = control_pdl(spec, available)
+    group_vars = variants(spec, available)
     policies = [(name + suffix, pol, pdl, o) for name, pol in depths
                 for suffix, pdl, o in group_vars]  # a configuration's variants adjacent
     engines = {name: make_engine(rig, weights, table, pol, rig.cuda, spec, cap, pdl, tp, o)

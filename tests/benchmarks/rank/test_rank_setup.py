@@ -190,6 +190,7 @@ def test_variants_alternate_and_pair_rows():
                                                available)] == [("", available),
                                                                ("+tails.unroll_k=1", available)]
         assert [p for _, p, _ in variants(SweepSpec(pdl="off"), available)] == [False]
+    assert [p for _, p, _ in variants(SweepSpec(tp=2, reduce="ring"), True)] == [False]
     brk = {"breakdown": {"launches": 1161}}
     rows = [{"context_name": "1K", "policy": "W6", "round_s": 0.010, **brk},
             {"context_name": "1K", "policy": "W6+pdl", "round_s": 0.009},
