@@ -53,10 +53,15 @@ class MoeLaunch:
     # (reports/benchmarks/h200-2026-12-07/); ahead, 3 times for loads all issued at the pass's
     # top (a tile read sharing their scoreboard mid-pass, the carried registers' refill at its
     # end) — without the hoist's K-wide register tiles; the same bits. Needs down_rows on aq,
-    # sa (not down_hoist, not silu_in_down) and I ≤ 256
+    # sa (not down_hoist, not silu_in_down) and I ≤ 256. Off: an expert step 1.25 vs 1.28–1.39
+    # µs at 6 rows, rounds 0.0–0.4 % faster on the H100 (reports/benchmarks/h100-2026-12-07c/):
+    # at 6–8 rows the step streams its rows' experts at the copy bandwidth, so the waits were
+    # not what it costs
     down_scales_ahead: bool = False
     # gate/up's activation and weight scales loaded before its K loop, likewise
-    # (kernels/moe.py _gate_up_loop HOIST): the same bits
+    # (kernels/moe.py _gate_up_loop HOIST): the same bits. Alone on the H100: block 0 5.86 →
+    # 2.86 µs at 6 rows, the launch no shorter (its second wave still starts at ≈ 15 µs;
+    # reports/benchmarks/h100-2026-12-07c/)
     gate_up_hoist: bool = False
     # the routing ids (and, row-major with down_hoist, the row's router weights and operand
     # scales) loaded for every buffer row without waiting for the live row count, so the expert
@@ -71,7 +76,9 @@ class MoeLaunch:
     # _moe_gate_up_kernel COMPACT): the same bits. On the H200 the slot grid's gate/up runs in
     # two waves at 6–8 rows: 8 buffer rows' 1 536 programs where 10 fit per SM (1 320), and one
     # SM ran 11 of the 1 056 with work (reports/benchmarks/h200-2026-12-07/). Not with
-    # fold_silu or early_loads
+    # fold_silu or early_loads. Off: one wave, but every refill block slower (all programs
+    # draw on HBM at once); rounds 2.7–7.2 % slower at width 6 on the H100
+    # (reports/benchmarks/h100-2026-12-07c/)
     gate_up_compact: bool = False
 
     def __post_init__(self) -> None:
