@@ -62,7 +62,7 @@ import triton.language as tl
 
 from kernels.checks import check_quantized, check_tensor, live_count
 from kernels.fp8 import E4M3, bf16_rne, blocks, quantize_act, quantize_cols, quantize_groups
-from kernels.launch import launch_opts, pdl_enter
+from kernels.launch import launch_opts, pdl_enter, prefetch_l2
 from kernels.moe_launch import MoeLaunch, moe_launch
 from kernels.timeline import check_trace, stamp, stamp_at, stamp_start
 from kernels.twin import twin
@@ -339,16 +339,27 @@ def _silu_slot(p_ptr, s, a_ptr, aq_ptr, as_ptr, stride_pj, stride_ps, stride_ar,
 
 @triton.jit
 def _moe_silu_kernel(
-    p_ptr, n_live_ptr, a_ptr, aq_ptr, as_ptr, R,
-    stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr,
+    p_ptr, n_live_ptr, a_ptr, aq_ptr, as_ptr, ids_ptr, proj_ptr, R,
+    stride_pj, stride_ps, stride_ar, stride_aqr, stride_asr, stride_ir, stride_ik, stride_pe,
     I: tl.constexpr, K: tl.constexpr, KS: tl.constexpr, GROUPS: tl.constexpr,
-    QUANT: tl.constexpr, PDL: tl.constexpr,
+    QUANT: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = 0,
+    LINES: tl.constexpr = 1,
 ):
-    """Launch 3 unfolded: slot s = program_id(0) through `_silu_slot`."""
+    """Launch 3 unfolded: slot s = program_id(0) through `_silu_slot`. PREFETCH > 0
+    (MoeLaunch.silu_prefetch, compiled kernels only): a slot among its row's first PREFETCH
+    experts first asks L2 for that expert's down weights, proj[e] (LINES 128-byte lines,
+    contiguous), so launch 4's first expert steps read L2, not HBM — a hint: no bit changes."""
     pdl_enter(PDL)
     s = tl.program_id(0)
     if s >= tl.minimum(tl.load(n_live_ptr), R) * K:
         return
+    if PREFETCH > 0:
+        if s % K < PREFETCH:
+            e = tl.load(ids_ptr + (s // K) * stride_ir + (s % K) * stride_ik)
+            base = proj_ptr + e.to(tl.int64) * stride_pe
+            for c in range(0, LINES, 1024):
+                line = c + tl.arange(0, 1024)  # [1024] lines of proj[e]
+                prefetch_l2(base + line.to(tl.int64) * 128, line < LINES, base)
     _silu_slot(p_ptr, s, a_ptr, aq_ptr, as_ptr, stride_pj, stride_ps, stride_ar, stride_aqr,
                stride_asr, I, KS, GROUPS, QUANT, False)
 
@@ -825,10 +836,13 @@ def _gate_up_grid(cfg: MoeLaunch, slots: int, tiles: int, ks: int) -> tuple[int,
 
 
 def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
-                  scratch: MoeScratch | None = None, silu: bool = True) -> torch.Tensor:
+                  scratch: MoeScratch | None = None, silu: bool = True,
+                  prefetch: torch.Tensor | None = None) -> torch.Tensor:
     """Launch 2, then 3 (or 3 inside 2, cfg.fold_silu): the K-split partials, then SiLU(gate)·up
     per live slot into a (FP32) or, quantized, into (aq, sa). silu False: launch 2 only (the
-    down launch computes SiLU·up itself, cfg.silu_in_down). → the partials [KS, S, 2I]."""
+    down launch computes SiLU·up itself, cfg.silu_in_down). prefetch: launch 4's proj [E, H, I]
+    (contiguous per expert), whose first experts launch 3 asks L2 for (cfg.silu_prefetch).
+    → the partials [KS, S, 2I]."""
     cfg, r, k, inter = g.cfg, g.rows, g.k, g.inter
     ks = cfg.k_splits(g.hidden)
     part = torch.empty(ks, r * k, 2 * inter, dtype=torch.float32, device=g.xq.device)
@@ -859,9 +873,13 @@ def _gate_up_silu(g: _GateUp, *, a=None, aq=None, sa=None,
     )
     if sc is not None or not silu:
         return part
+    pf = cfg.silu_prefetch if prefetch is not None else 0
+    proj = prefetch if pf else part  # pointer unused without PREFETCH
     _moe_silu_kernel[(r * k,)](
-        part, g.n, a_, aq_, sa_, r, part.stride(0), part.stride(1), *strides,
-        I=inter, K=k, KS=ks, GROUPS=groups, QUANT=quant,
+        part, g.n, a_, aq_, sa_, g.ids, proj, r, part.stride(0), part.stride(1), *strides,
+        g.ids.stride(0), g.ids.stride(1), proj.stride(0) if pf else 0,
+        I=inter, K=k, KS=ks, GROUPS=groups, QUANT=quant, PREFETCH=min(pf, k),
+        LINES=-(-proj[0].numel() // 128) if pf else 1,  # E4M3: one byte an element
         num_warps=cfg.num_warps, **launch_opts(g.pdl),
     )
     return part
@@ -1086,5 +1104,9 @@ def moe_fp8(
     s = g.rows * g.k
     aq = torch.empty(s, g.inter, dtype=E4M3, device=x.device)
     sa = torch.empty(s, blocks(g.inter), dtype=torch.float32, device=x.device)
-    _gate_up_silu(g, aq=aq, sa=sa, scratch=scratch)
+    if g.cfg.silu_prefetch and (x.device.type != "cuda" or not proj[0].is_contiguous()):
+        raise ValueError(f"MoeLaunch.silu_prefetch: an L2 prefetch hint (PTX) of proj[e] as one "
+                         f"contiguous range: compiled kernels on CUDA only, got proj "
+                         f"{tuple(proj.shape)} strides {proj.stride()} on {x.device.type}")
+    _gate_up_silu(g, aq=aq, sa=sa, scratch=scratch, prefetch=proj)
     return _down_combine(d, aq, sa, scratch)

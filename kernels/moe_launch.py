@@ -80,6 +80,13 @@ class MoeLaunch:
     # draw on HBM at once); rounds 2.7–7.2 % slower at width 6 on the H100
     # (reports/benchmarks/h100-2026-12-07c/)
     gate_up_compact: bool = False
+    # launch 3 (SiLU·up + quantization, moe_fp8) asks L2 for the down weights proj[e] of each
+    # live row's first silu_prefetch experts before its own work (kernels/moe.py
+    # _moe_silu_kernel PREFETCH; a hint, the same bits; compiled kernels only). The down's
+    # expert steps stream at the copy bandwidth at 6–8 rows, but its first step takes ≈ 2 µs
+    # longer (reports/benchmarks/h100-2026-12-07c/): started during launch 3 and launch 4's
+    # start, those bytes are in L2 when the down's first tiles ask. 0: off
+    silu_prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gate_up_block_n", "down_block_n", "combine_block_h"):
@@ -108,6 +115,12 @@ class MoeLaunch:
             raise ValueError("MoeLaunch.gate_up_compact: the compact gate/up has its own "
                              "routing and no per-slot arrival; set fold_silu and early_loads "
                              "off")
+        if not (isinstance(self.silu_prefetch, int) and 0 <= self.silu_prefetch <= 64):
+            raise ValueError(f"MoeLaunch.silu_prefetch: expected an int in 0..64 (experts per "
+                             f"row), got {self.silu_prefetch!r}")
+        if self.silu_prefetch and (self.fold_silu or self.silu_in_down):
+            raise ValueError("MoeLaunch.silu_prefetch: prefetches from launch 3; set fold_silu "
+                             "and silu_in_down off")
         if self.gate_up_k_blocks < 1:
             raise ValueError(f"MoeLaunch.gate_up_k_blocks: expected >= 1, got "
                              f"{self.gate_up_k_blocks}")

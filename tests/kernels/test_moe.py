@@ -417,7 +417,9 @@ HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
           # the row-major down pipelined over its experts (3 stages): ids ahead, or all hoisted
           {"down_ids_ahead": True, "down_stages": 3}, {"down_hoist": True, "down_stages": 3},
           # its scales and router weight one expert ahead
-          {"down_scales_ahead": True, "down_stages": 3})
+          {"down_scales_ahead": True, "down_stages": 3},
+          # launch 3 asks L2 for the down weights of each row's first 2 experts (a hint)
+          {"silu_prefetch": 2})
 # on the CPU (interpreter time): every moved load at least once, each kernel variant it touches
 # (gate/up and row-major down hoisted; routing early in gate/up, hoisted and slot-major down;
 # the row-major down's ids ahead, its scales ahead)
@@ -544,6 +546,19 @@ def test_hoisted_loads_read_what_they_must(device):
     with pytest.raises(ValueError, match="down_scales_ahead: .* <= 256; proj has I = 384"):
         moe_fp8(wide.x, wide.weights, wide.ids, wide.fc, wide.fc_s, wide.proj, wide.proj_s,
                 wide.n, config=ahead)
+    for bad in (-1, 65, 1.0):
+        with pytest.raises(ValueError, match="silu_prefetch: expected an int in 0..64"):
+            MoeLaunch(32, 64, 128, silu_prefetch=bad)
+    for bad in (dict(fold_silu=True), dict(silu_in_down=True)):
+        with pytest.raises(ValueError, match="silu_prefetch: .* set fold_silu and silu_in_down"):
+            MoeLaunch(32, 64, 128, silu_prefetch=1, **bad)
+    pf = dataclasses.replace(cfg, silu_prefetch=1)
+    if torch.device(device).type == "cpu":  # the hint is PTX: the interpreter cannot run it
+        with pytest.raises(ValueError, match="silu_prefetch: .* compiled kernels on CUDA only"):
+            moe_fp8(*args, config=pf)
+    strided = args[5].transpose(1, 2).contiguous().transpose(1, 2)  # proj[e] not one range
+    with pytest.raises(ValueError, match="silu_prefetch: .* one contiguous range"):
+        moe_fp8(*args[:5], strided, *args[6:], config=pf)
 
 
 @pytest.mark.slow
@@ -754,7 +769,9 @@ def build(fn, sig, const, opts, div16):
     ptx = k.asm["ptx"]
     got = {t: len(re.findall(t, ptx))
            for t in ("cp.async", "wgmma", "mma.sync", "ex2", "atom.global.gpu.acq_rel",
-                     "ld.volatile.global", "%globaltimer")}
+                     "ld.volatile.global", "%globaltimer", "prefetch.global.L2::evict_last")}
+    got["prefetch_after_wait"] = int(0 <= ptx.find("griddepcontrol.wait")
+                                     < ptx.find("prefetch.global.L2::evict_last"))
     # synchronous loads inside a loop body and the cp.async groups its wait leaves in flight
     got["loop_loads"], got["in_flight"] = loop_facts(k.asm["ttgir"])
     got["smem"] = k.metadata.shared  # bytes of shared memory per program
@@ -769,9 +786,18 @@ cfg = moe.moe_launch(3072, 192)
 f8, f32, i32 = "*fp8e4nv", "*fp32", "*i32"
 out = {
     "silu": build(moe._moe_silu_kernel,
-        dict(p_ptr=f32, n_live_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32),
-        dict(I=192, K=8, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, PDL=False),
+        dict(p_ptr=f32, n_live_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32, ids_ptr="*i64",
+             proj_ptr=f8),
+        dict(I=192, K=8, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, PDL=False, PREFETCH=0,
+             LINES=1),
         dict(num_warps=cfg.num_warps), ["p_ptr", "aq_ptr", "as_ptr", "stride_pj", "stride_ps"]),
+    "silu_prefetch": build(moe._moe_silu_kernel,
+        dict(p_ptr=f32, n_live_ptr=i32, a_ptr=f32, aq_ptr=f8, as_ptr=f32, ids_ptr="*i64",
+             proj_ptr=f8),
+        dict(I=192, K=8, KS=cfg.k_splits(3072), GROUPS=2, QUANT=True, PDL=True, PREFETCH=2,
+             LINES=3072 * 192 // 128),
+        dict(num_warps=cfg.num_warps), ["p_ptr", "aq_ptr", "as_ptr", "proj_ptr", "stride_pj",
+                                        "stride_ps", "stride_pe"]),
     "down": build(moe._moe_down_kernel,
         dict(aq_ptr=f8, as_ptr=f32, ids_ptr="*i64", n_live_ptr=i32, proj_ptr=f8, ps_ptr=f32,
              y_ptr=f32, w_ptr=f32, out_ptr=f32, cnt_ptr=i32, gu_ptr=f32),
@@ -859,6 +885,11 @@ def test_moe_kernels_compile_for_sm90():
     for name in ("gate_up", "down"):
         assert got[name]["wgmma"] + got[name]["mma.sync"] > 0, f"{name}: no tensor-core MMA"
     assert got["silu"]["ex2"] > 0
+    # MoeLaunch.silu_prefetch: launch 3 asks L2 for proj[e] after its PDL wait (it reads the
+    # routing ids), and only then; the pinned SiLU prefetches nothing
+    pf, key = got["silu_prefetch"], "prefetch.global.L2::evict_last"
+    assert pf[key] >= 1 and pf["prefetch_after_wait"] == 1 and got["silu"][key] == 0, pf
+    assert pf["ex2"] == got["silu"]["ex2"]
     # the folded variants (kept, off by default): the arrival counter and SiLU's exp are there
     assert got["gate_up"]["atom.global.gpu.acq_rel"] == 1 and got["gate_up"]["ex2"] > 0
     assert got["gate_up"]["ld.volatile.global"] > 0  # the partials other programs wrote
