@@ -419,7 +419,9 @@ HOISTS = ({"down_hoist": True}, {"gate_up_hoist": True},
           # its scales and router weight one expert ahead
           {"down_scales_ahead": True, "down_stages": 3},
           # launch 3 asks L2 for the down weights of each row's first 2 experts (a hint)
-          {"silu_prefetch": 2})
+          {"silu_prefetch": 2},
+          # gate/up's compact grid with its scales hoisted
+          {"gate_up_compact": True, "gate_up_hoist": True})
 # on the CPU (interpreter time): every moved load at least once, each kernel variant it touches
 # (gate/up and row-major down hoisted; routing early in gate/up, hoisted and slot-major down;
 # the row-major down's ids ahead, its scales ahead)
@@ -486,8 +488,9 @@ def test_compact_gate_up_gives_the_slot_grids_bits(case, device, poisoned_empty,
     want = moe_gate_up_fp8(*args, config=cfg)[: n * k].cpu()
     assert not want.isnan().any()
     on = dataclasses.replace(cfg, gate_up_compact=True)
-    got = moe_gate_up_fp8(*args, config=on)[: n * k].cpu()
-    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for c in (on, dataclasses.replace(on, gate_up_hoist=True)):  # with its scales hoisted too
+        got = moe_gate_up_fp8(*args, config=c)[: n * k].cpu()
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), c.gate_up_hoist
     monkeypatch.setattr(moe_module, "_gate_up_grid", lambda *a: (1,))
     assert moe_gate_up_fp8(*args, config=on)[: n * k].isnan().any()
 
