@@ -85,7 +85,8 @@ class MoeLaunch:
     # _moe_silu_kernel PREFETCH; a hint, the same bits; compiled kernels only). The down's
     # expert steps stream at the copy bandwidth at 6–8 rows, but its first step takes ≈ 2 µs
     # longer (reports/benchmarks/h100-2026-12-07c/): started during launch 3 and launch 4's
-    # start, those bytes are in L2 when the down's first tiles ask. 0: off
+    # start, those bytes are in L2 when the down's first tiles ask. 0: off. moe_fp8 only: the
+    # staged moe_gate_up_fp8 is given no down weights, and with the same config asks for none
     silu_prefetch: int = 0
 
     def __post_init__(self) -> None:
